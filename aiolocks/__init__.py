@@ -1,0 +1,34 @@
+"""aiolocks: asyncio-native distributed locks on Redis and Valkey.
+
+FIFO hand-off woken by pub/sub (never sleep-polling), leases renewed in the background
+with loss reported to the holder, a fencing token for every acquisition, and clean-up
+on cancellation at every await.
+"""
+
+from ._errors import LockError as LockError
+from ._errors import LockLost as LockLost
+from ._errors import LockNotOwned as LockNotOwned
+from ._errors import LockReentry as LockReentry
+from ._errors import LockTimeout as LockTimeout
+from ._errors import ServerUnavailable as ServerUnavailable
+from ._holding import LockStatistics as LockStatistics
+from .mutex import MutexInfo as MutexInfo
+from .mutex import RedisMutex as RedisMutex
+
+__all__ = (
+    "LockError",
+    "LockLost",
+    "LockNotOwned",
+    "LockReentry",
+    "LockStatistics",
+    "LockTimeout",
+    "MutexInfo",
+    "RedisMutex",
+    "ServerUnavailable",
+)
+
+for _name in __all__:
+    globals()[_name].__module__ = "aiolocks"
+del _name
+
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,206 @@
+"""The one acquire skeleton every primitive uses: try script -> park -> re-try.
+
+A primitive supplies a `Spec` (its keys and scripts); this module does the waiting,
+subscription, heartbeats and the cancellation clean-up, so no primitive re-implements
+them. Script conventions (see `_scripts/*.lua`):
+
+- acquire: KEYS = spec.keys, ARGV = token, ttl_ms, 'try'|'wait', channel, *spec.args;
+  returns {1, fence} granted, {0, pttl} queued, {-1, pttl} busy and not queued.
+- release: KEYS = spec.keys, ARGV = token, ttl_ms, channel, *spec.args; withdraws the
+  token whatever state it reached; returns {held, [next_token, next_fence, next_ttl]}.
+- renew: KEYS = spec.renew_keys, ARGV = token, ttl_ms; returns 1 while still held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._context import ClientContext
+from ._scripts import Script
+from ._waitqueue import Waiter, Wake
+
+__all__ = ["Grant", "Spec", "acquire", "release", "shielded"]
+
+T = TypeVar("T")
+
+# Clean-up after a failed or cancelled acquisition waits at most this long for Redis;
+# past it, the server forgets the token by itself when its ttl ends.
+CLEANUP_BOUND = 5.0
+
+GRANTED, QUEUED, BUSY = 1, 0, -1
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What a primitive instance gives the engine: its keys, channel and scripts."""
+
+    name: str
+    keys: tuple[bytes, ...]
+    waiters_key: bytes
+    channel: bytes
+    watch_key: bytes | None  # a key whose del/expired events mean "re-check"
+    acquire: Script
+    release: Script
+    renew: Script
+    renew_keys: tuple[bytes, ...]
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A successful acquisition: its fence, and when its lease started counting (monotonic)."""
+
+    token: str
+    fence: int
+    granted_at: float
+
+
+async def acquire(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    *,
+    blocking: bool,
+    deadline: float | None,
+) -> Grant | None:
+    """Acquire `spec` for `token`; None when not blocking and busy, or when `deadline` passed.
+
+    Cancellation or an error at any point leaves nothing behind in Redis: a shielded,
+    bounded clean-up withdraws the token and, if it had been granted, hands the
+    primitive on.
+    """
+    waiter: Waiter | None = None
+    retained = False
+    dirty = False  # the server may hold state for this token
+    mode = "try"
+    try:
+        if blocking and context.notifier.watching(spec.channel):
+            waiter = _park(context, spec, token, ttl_ms)
+            await context.notifier.retain(spec.channel, spec.watch_key)
+            retained = True
+            mode = "wait"
+        while True:
+            sent_at = time.monotonic()
+            dirty = True
+            reply = await _bounded(
+                context.run(
+                    spec.acquire, spec.keys, (token, ttl_ms, mode, spec.channel, *spec.args)
+                ),
+                deadline,
+            )
+            status, value = int(reply[0]), int(reply[1])
+            if status == GRANTED:
+                dirty = False
+                return Grant(token, value, sent_at)
+            if waiter is not None and waiter.fence is not None:
+                dirty = False
+                return Grant(token, waiter.fence, waiter.granted_at)
+            if status == BUSY:
+                dirty = False
+                if not blocking:
+                    return None
+            if waiter is None:
+                waiter = _park(context, spec, token, ttl_ms)
+                await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
+                retained = True
+                mode = "wait"
+                continue
+            # A holder key without an expiry was not set by us: wait a ttl, not a spin.
+            waiter.lot.note_lease(value if value >= 0 else ttl_ms)
+            wake = await waiter.sleep(deadline)
+            if wake is Wake.GRANTED:
+                assert waiter.fence is not None
+                dirty = False
+                return Grant(token, waiter.fence, waiter.granted_at)
+            if wake is Wake.DEADLINE:
+                return None
+    except TimeoutError:
+        return None  # `_bounded` ran out of time while Redis was slow: same as the deadline
+    finally:
+        if waiter is not None:
+            context.waitqueue.remove(waiter)
+            context.keeper.unwatch_waiter(spec.waiters_key, waiter)
+        if retained:
+            context.notifier.release(spec.channel)
+        if dirty:
+            await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
+
+
+async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
+    """Run the release script for `token`; True if it held the primitive.
+
+    When the script hands the primitive to a waiter of this same client, that waiter is
+    woken here rather than by the pub/sub round trip.
+    """
+    reply = await context.run(spec.release, spec.keys, (token, ttl_ms, spec.channel, *spec.args))
+    if len(reply) >= 4:
+        lot = context.waitqueue.lot(spec.channel)
+        if lot is not None:
+            lot.note_lease(int(reply[3]))
+        context.waitqueue.unpark(_text(reply[1]), int(reply[2]))
+    return int(reply[0]) == 1
+
+
+def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
+    waiter = context.waitqueue.park(spec.channel, token, ttl_ms)
+    context.keeper.watch_waiter(spec.waiters_key, waiter)
+    return waiter
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+if sys.version_info >= (3, 11):
+
+    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
+        if deadline is None:
+            return await awaitable
+        loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+        async with asyncio.timeout_at(loop_deadline):
+            return await awaitable
+
+else:  # pragma: no cover - Python 3.10
+
+    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
+        if deadline is None:
+            return await awaitable
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+
+
+async def shielded(
+    call: Callable[[], Awaitable[T]], bound: float, *, swallow: bool = True
+) -> T | None:
+    """Run `call()` to completion even if the caller is cancelled meanwhile, for at most
+    `bound` seconds. A cancellation of the caller is re-raised once the call is done.
+    With `swallow`, errors (the timeout included) give None instead of propagating."""
+
+    async def bounded() -> T | None:
+        try:
+            return await asyncio.wait_for(call(), bound)
+        except Exception:
+            if swallow:
+                return None
+            raise
+
+    task = asyncio.ensure_future(bounded())
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+        except Exception:
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()

@@ -1,0 +1,110 @@
+"""Per-client engine state: the script runner, the wait queue, the notifier, the lease keeper.
+
+There is one `ClientContext` per (client, event loop). Every primitive built on the same
+client shares it, so 10,000 waiting tasks share one pub/sub connection, one renewal task
+and a bounded number of in-flight commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio
+import redis.exceptions
+
+from ._leases import LeaseKeeper
+from ._notifier import Notifier
+from ._scripts import Script
+from ._waitqueue import WaitQueue
+
+__all__ = ["ClientContext", "context_for", "ensure_async_client"]
+
+# Commands the engine keeps in flight per client at most. redis-py's pool fails fast
+# ("Too many connections") past its limit rather than waiting, so the engine must queue.
+_MAX_IN_FLIGHT = 64
+
+_contexts: weakref.WeakKeyDictionary[Any, dict[asyncio.AbstractEventLoop, ClientContext]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def ensure_async_client(client: object) -> redis.asyncio.Redis:
+    """Return `client` if it is a `redis.asyncio` client; raise `TypeError` otherwise."""
+    if isinstance(client, redis.asyncio.Redis):
+        return client
+    raise TypeError(
+        "client must be a redis.asyncio.Redis (e.g. redis.asyncio.Redis.from_url(...)), "
+        f"not {type(client).__module__}.{type(client).__qualname__}"
+    )
+
+
+def context_for(client: redis.asyncio.Redis) -> ClientContext:
+    """The engine state of `client` on the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    per_loop = _contexts.get(client)
+    if per_loop is None:
+        per_loop = _contexts[client] = {}
+    context = per_loop.get(loop)
+    if context is None or context.closed:
+        context = per_loop[loop] = ClientContext(client)
+    return context
+
+
+class ClientContext:
+    """Everything the engine keeps for one client on one event loop."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
+        self._execute: Callable[..., Awaitable[Any]] = client.execute_command
+        self.waitqueue = WaitQueue()
+        self.notifier = Notifier(client, self.waitqueue)
+        self.keeper = LeaseKeeper(self)
+        pool_limit = getattr(client.connection_pool, "max_connections", _MAX_IN_FLIGHT + 2)
+        self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
+        self.closed = False
+        self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
+
+    async def run(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        """EVALSHA `script`; load it into the server first if the server does not know it."""
+        async with self._slots:
+            self.commands_sent += 1
+            try:
+                return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                self.commands_sent += 2
+                await self._execute("SCRIPT", "LOAD", script.source)
+                return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def pipeline(
+        self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
+    ) -> list[Any]:
+        """Run several scripts in one round trip; each result is a value or an exception."""
+        for attempt in range(2):
+            async with self._slots:
+                pipe = self.client.pipeline(transaction=False)
+                for script, keys, args in calls:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                self.commands_sent += len(calls)
+                results: list[Any] = await pipe.execute(raise_on_error=False)
+            missing = {
+                call[0]
+                for call, result in zip(calls, results, strict=True)
+                if isinstance(result, redis.exceptions.NoScriptError)
+            }
+            if not missing or attempt:
+                return results
+            async with self._slots:
+                for script in missing:
+                    self.commands_sent += 1
+                    await self._execute("SCRIPT", "LOAD", script.source)
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        """Stop the background tasks of this client (held leases are no longer renewed)."""
+        self.closed = True
+        await self.keeper.aclose()
+        await self.notifier.aclose()

@@ -1,0 +1,327 @@
+"""Task-owned holdings with leases: the part of a lock's behaviour every primitive shares.
+
+An instance may be shared by many tasks, like `asyncio.Lock`: each acquisition is its own
+holding (own token, own fence, own lease) owned by the task that made it. A subclass
+supplies the `Spec` (its keys and scripts); this class does acquire/release/`async with`,
+lease-loss reporting and the decorator form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+import redis.asyncio
+
+from . import _acquire
+from ._context import ClientContext, context_for, ensure_async_client
+from ._errors import LockLost, LockNotOwned, LockReentry, LockTimeout, map_redis_errors
+from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from ._leases import Lease
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_TTL", "Holding", "LeasedLock", "LockStatistics", "validate_timeout"]
+
+log = logging.getLogger("aiolocks")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+DEFAULT_TTL = 30.0
+
+LostCallback = Callable[[LockLost], object]
+
+
+def validate_timeout(timeout: object, what: str = "timeout") -> float | None:
+    """Return `timeout` as seconds (None = wait forever); raise on a bad value."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds or None, not {type(timeout).__name__}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{what} must be >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _validate_ttl(ttl: object) -> float:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+    if ttl < 0.01:
+        raise ValueError(f"ttl must be at least 0.01 s (renewal runs every ttl/3), got {ttl!r}")
+    return float(ttl)
+
+
+@dataclass(frozen=True, slots=True)
+class LockStatistics:
+    """A cheap local snapshot of one primitive instance (no Redis call)."""
+
+    name: str
+    held_here: int  # holdings of this instance in this process
+    tasks_waiting: int  # tasks of this instance waiting to acquire
+    lease_remaining: float | None  # seconds the current task's lease is known valid, if held
+    lost: bool  # the current task's holding was lost
+
+
+class Holding:
+    """One acquisition: owned by one task, with its own token, fence and lease."""
+
+    __slots__ = ("fence", "lease", "lost", "lost_reason", "task", "token")
+
+    def __init__(self, task: asyncio.Task[Any], token: str, fence: int) -> None:
+        self.task = task
+        self.token = token
+        self.fence = fence
+        self.lease: Lease | None = None
+        self.lost = asyncio.Event()
+        self.lost_reason: str | None = None
+
+
+class LeasedLock:
+    """Base of every primitive whose acquisitions are task-owned leases."""
+
+    _kind = "lock"
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        self._client = ensure_async_client(client)
+        self._name = validate_name(name)
+        self._prefix = validate_prefix(prefix)
+        self._ttl = _validate_ttl(ttl)
+        self._ttl_ms = max(1, round(self._ttl * 1000))
+        self._timeout = validate_timeout(timeout)
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError("on_lost must be callable")
+        self._on_lost = on_lost
+        self._holdings: dict[asyncio.Task[Any], Holding] = {}
+        self._scopes: dict[asyncio.Task[Any], anyio.CancelScope] = {}
+        self._waiting = 0
+        self._spec = self._make_spec()
+
+    def _make_spec(self) -> _acquire.Spec:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        return f"<{kind} {self._name!r} ttl={self._ttl:g} held_here={len(self._holdings)}>"
+
+    # -- acquire / release -------------------------------------------------------------
+
+    async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Acquire for the current task; False if not blocking and busy, or on timeout.
+
+        Raises `LockReentry` if the current task already holds this instance.
+        """
+        timeout = validate_timeout(timeout)
+        if not blocking and timeout is not None:
+            raise ValueError("a timeout cannot be given with blocking=False")
+        task = _current_task()
+        if task in self._holdings:
+            raise LockReentry(
+                self._name,
+                "the current task already holds it (not reentrant)",
+                token=self._holdings[task].token,
+            )
+        context = context_for(self._client)
+        token = secrets.token_hex(16)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._waiting += 1
+        try:
+            with map_redis_errors(self._name):
+                grant = await _acquire.acquire(
+                    context, self._spec, token, self._ttl_ms, blocking=blocking, deadline=deadline
+                )
+        finally:
+            self._waiting -= 1
+        if grant is None:
+            return False
+        self._hold(context, task, grant)
+        return True
+
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+        holding = Holding(task, grant.token, grant.fence)
+        holding.lease = Lease(
+            self._spec.renew,
+            self._spec.renew_keys,
+            (grant.token, self._ttl_ms),
+            self._ttl,
+            grant.granted_at,
+            functools.partial(self._lease_lost, holding),
+        )
+        self._holdings[task] = holding
+        context.keeper.hold(holding.lease)
+
+    async def release(self) -> None:
+        """Release the current task's holding.
+
+        Raises `LockNotOwned` if the task holds nothing (a holding of a task that has
+        finished is adopted), and `LockLost` if the lease had been lost meanwhile.
+        """
+        holding = self._take_holding()
+        context = context_for(self._client)
+        if holding.lease is not None:
+            context.keeper.drop(holding.lease)
+        if holding.lost.is_set():
+            # Best-effort: the key is gone or someone else's; this only tidies the queue.
+            await _acquire.shielded(
+                lambda: _acquire.release(context, self._spec, holding.token, self._ttl_ms),
+                _acquire.CLEANUP_BOUND,
+            )
+            raise self._lost_error(holding)
+        with map_redis_errors(self._name):
+            held = await _acquire.shielded(
+                lambda: _acquire.release(context, self._spec, holding.token, self._ttl_ms),
+                _acquire.CLEANUP_BOUND,
+                swallow=False,
+            )
+        if not held:
+            holding.lost_reason = "it was no longer held when released"
+            holding.lost.set()
+            raise self._lost_error(holding)
+
+    def _take_holding(self) -> Holding:
+        task = _current_task()
+        holding = self._holdings.pop(task, None)
+        if holding is not None:
+            return holding
+        for owner in list(self._holdings):
+            if owner.done():  # e.g. acquired inside asyncio.wait_for's own task
+                return self._holdings.pop(owner)
+        raise LockNotOwned(self._name, "the current task does not hold it")
+
+    def _lost_error(self, holding: Holding) -> LockLost:
+        return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None:
+        holding.lost_reason = reason
+        holding.lost.set()
+        scope = self._scopes.get(holding.task)
+        if scope is not None and self._holdings.get(holding.task) is holding:
+            scope.cancel()
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self._lost_error(holding))
+            except Exception:
+                log.exception("aiolocks: on_lost callback of %r failed", self._name)
+
+    # -- the current task's holding ----------------------------------------------------
+
+    def _current(self) -> Holding | None:
+        task = asyncio.current_task()
+        return None if task is None else self._holdings.get(task)
+
+    @property
+    def fencing_token(self) -> int | None:
+        """The fencing token of the current task's holding (None if it holds nothing).
+
+        Strictly increasing per name across all holders: give it to the storage you
+        protect and have that reject writes carrying an older token.
+        """
+        holding = self._current()
+        return None if holding is None else holding.fence
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """An event set when the current task's lease is lost (LockNotOwned if none held)."""
+        holding = self._current()
+        if holding is None:
+            raise LockNotOwned(self._name, "the current task does not hold it")
+        return holding.lost
+
+    def held(self) -> bool:
+        """True if the current task holds this instance (a local check, no Redis call)."""
+        return self._current() is not None
+
+    def statistics(self) -> LockStatistics:
+        """A cheap local snapshot; see `inspect()` for what the server says."""
+        holding = self._current()
+        lease = None if holding is None else holding.lease
+        return LockStatistics(
+            name=self._name,
+            held_here=len(self._holdings),
+            tasks_waiting=self._waiting,
+            lease_remaining=None if lease is None or lease.lost else lease.remaining,
+            lost=holding is not None and holding.lost.is_set(),
+        )
+
+    # -- async with and decorator ------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if not await self.acquire(timeout=self._timeout):
+            assert self._timeout is not None
+            raise LockTimeout(self._name, self._timeout)
+        task = _current_task()
+        scope = anyio.CancelScope()
+        scope.__enter__()
+        self._scopes[task] = scope
+        holding = self._holdings[task]
+        if holding.lost.is_set():  # lost before the body even started
+            scope.cancel()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        task = _current_task()
+        scope = self._scopes.pop(task, None)
+        if scope is not None:
+            scope.__exit__(exc_type, exc, tb)  # swallows only its own cancellation
+        if task not in self._holdings:
+            return  # released inside the body already
+        try:
+            await self.release()
+        except LockLost as lost:
+            if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                raise lost from exc
+            raise lost from None
+
+    def __call__(self, func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        """Use the instance as a decorator: each call of `func` runs holding it."""
+
+        @functools.wraps(func)
+        async def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with self:
+                return await func(*args, **kwargs)
+
+        return locked_call
+
+
+def _current_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("aiolocks must be used from inside an asyncio task")
+    return task

@@ -1,0 +1,39 @@
+"""Key and channel names: every key of one primitive shares one hash tag (one Cluster slot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_PREFIX", "KeySpace", "validate_name", "validate_prefix"]
+
+DEFAULT_PREFIX = "aiolocks"
+
+
+def validate_name(name: object, what: str = "name") -> str:
+    """Return `name` if it can be a primitive's name; raise `TypeError`/`ValueError` if not."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError(f"{what} must not be empty")
+    if "{" in name or "}" in name:
+        raise ValueError(
+            f"{what} {name!r} must not contain '{{' or '}}' (they delimit the hash tag)"
+        )
+    return name
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return `prefix` if it can start every key; raise if not."""
+    return validate_name(prefix, "prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """The keys of one primitive: `<prefix>:<kind>:{<name>}:<part>`, pre-encoded once."""
+
+    prefix: str
+    kind: str
+    name: str
+
+    def key(self, part: str) -> bytes:
+        return f"{self.prefix}:{self.kind}:{{{self.name}}}:{part}".encode()

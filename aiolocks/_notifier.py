@@ -1,0 +1,248 @@
+"""One pub/sub connection per client: grant messages and keyspace events wake local waiters.
+
+Channels are reference-counted by the waiters that need them and kept for a while after
+the last one leaves, so a busy name is subscribed once, not once per wait. Messages are an
+optimisation of latency only: every waiter also has a timer, and re-running acquire is
+idempotent. After redis-py re-connects (and re-subscribes) by itself, messages sent in the
+gap are gone, so every waiter of a re-confirmed channel is told to re-check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import redis.asyncio
+import redis.exceptions
+
+from ._leases import cancelling
+from ._waitqueue import WaitQueue
+
+__all__ = ["Notifier"]
+
+log = logging.getLogger("aiolocks")
+
+# Keyspace events on an owner key that mean "the holder is gone".
+_GONE = frozenset({b"del", b"expired", b"evicted"})
+# How long an unused channel stays subscribed, in case it is needed again soon.
+_LINGER = 30.0
+# Longest wait for a subscription to be confirmed before a waiter proceeds on its timer.
+_CONFIRM_BOUND = 1.0
+_RETRY_MIN, _RETRY_MAX = 0.05, 2.0
+
+
+class _Channel:
+    __slots__ = ("confirmed", "keyspace", "linger", "refs", "wake")
+
+    def __init__(self, wake: bytes, keyspace: bytes | None) -> None:
+        self.wake = wake
+        self.keyspace = keyspace
+        self.refs = 0
+        self.confirmed: asyncio.Future[None] | None = None
+        self.linger: asyncio.TimerHandle | None = None
+
+
+class Notifier:
+    """Routes pub/sub messages for one client into its `WaitQueue`."""
+
+    def __init__(self, client: redis.asyncio.Redis, waitqueue: WaitQueue) -> None:
+        self._client = client
+        self._waitqueue = waitqueue
+        self._pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
+        self._channels: dict[bytes, _Channel] = {}
+        self._by_keyspace: dict[bytes, bytes] = {}  # keyspace channel -> wake channel
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
+        self._keyspace_enabled: bool | None = None
+        self.reconnects = 0  # how many times the subscription was re-established
+
+    def watching(self, wake: bytes) -> bool:
+        """True when grants on `wake` are known to reach this process."""
+        channel = self._channels.get(wake)
+        return (
+            channel is not None
+            and channel.confirmed is not None
+            and channel.confirmed.done()
+            and self._reader is not None
+            and not self._reader.done()
+        )
+
+    async def retain(self, wake: bytes, watch_key: bytes | None) -> None:
+        """Hold a reference to `wake` (and the keyspace channel of `watch_key`).
+
+        Returns once the subscription is confirmed, or after a short bound: a waiter whose
+        subscription is not confirmed yet still wakes on its timer.
+        """
+        channel = self._channels.get(wake)
+        if channel is None:
+            keyspace = None
+            if watch_key is not None and await self._keyspace_on():
+                keyspace = b"__keyspace@%d__:%s" % (self._db, watch_key)
+            channel = self._channels.get(wake)  # another task may have created it meanwhile
+            if channel is None:
+                channel = self._channels[wake] = _Channel(wake, keyspace)
+                if keyspace is not None:
+                    self._by_keyspace[keyspace] = wake
+        channel.refs += 1
+        if channel.linger is not None:
+            channel.linger.cancel()
+            channel.linger = None
+        if channel.confirmed is None:
+            channel.confirmed = asyncio.get_running_loop().create_future()
+            try:
+                await self._subscribe(channel)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.debug("aiolocks: subscribe to %r failed: %r", wake, exc)
+                channel.confirmed = None
+                return
+        if not channel.confirmed.done():
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(channel.confirmed), _CONFIRM_BOUND)
+
+    def release(self, wake: bytes) -> None:
+        """Drop a reference taken by `retain`; the channel lingers before unsubscribing."""
+        channel = self._channels.get(wake)
+        if channel is None:
+            return
+        channel.refs -= 1
+        if channel.refs <= 0 and channel.linger is None:
+            loop = asyncio.get_running_loop()
+            channel.linger = loop.call_later(_LINGER, self._expire, wake)
+
+    def _expire(self, wake: bytes) -> None:
+        channel = self._channels.get(wake)
+        if channel is None or channel.refs > 0:
+            return
+        del self._channels[wake]
+        names = [wake]
+        if channel.keyspace is not None:
+            self._by_keyspace.pop(channel.keyspace, None)
+            names.append(channel.keyspace)
+        if self._pubsub is not None and channel.confirmed is not None:
+            task = asyncio.get_running_loop().create_task(self._unsubscribe(names))
+            task.add_done_callback(_ignore_result)
+
+    async def _keyspace_on(self) -> bool:
+        """Ask once whether the server sends keyspace events for generic and expired keys."""
+        if self._keyspace_enabled is None:
+            try:
+                reply = await self._client.config_get("notify-keyspace-events")
+                flags = str(next(iter(reply.values()), "") if reply else "")
+                self._keyspace_enabled = "K" in flags and (
+                    "A" in flags or ("g" in flags and "x" in flags)
+                )
+            except redis.exceptions.RedisError:
+                self._keyspace_enabled = True  # CONFIG may be disabled: subscribe anyway
+        return self._keyspace_enabled
+
+    async def _subscribe(self, channel: _Channel) -> None:
+        names = [channel.wake] if channel.keyspace is None else [channel.wake, channel.keyspace]
+        async with self._lock:
+            if self._pubsub is None:
+                self._pubsub = self._client.pubsub()
+            await self._pubsub.subscribe(*names)
+            self._watch_connection()
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.get_running_loop().create_task(
+                    self._read(), name="aiolocks-notifier"
+                )
+
+    async def _unsubscribe(self, names: list[bytes]) -> None:
+        async with self._lock:
+            if names[0] in self._channels:
+                return  # wanted again since it expired: keep the subscription
+            if self._pubsub is not None:
+                with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                    await self._pubsub.unsubscribe(*names)
+
+    def _watch_connection(self) -> None:
+        connection = self._pubsub.connection
+        if connection is not None:
+            connection.register_connect_callback(self._on_connect)
+
+    async def _on_connect(self, connection: Any) -> None:
+        # redis-py re-subscribes by itself (its own callback runs first); each channel is
+        # re-confirmed, and `_dispatch` tells its waiters to re-check.
+        self.reconnects += 1
+
+    async def _read(self) -> None:
+        delay = _RETRY_MIN
+        while self._channels:
+            try:
+                message = await self._pubsub.get_message(timeout=None)
+                delay = _RETRY_MIN
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the link is down: everyone re-checks on their own
+                if cancelling():
+                    raise
+                log.debug("aiolocks: pub/sub read failed: %r", exc)
+                self._waitqueue.recheck_all()
+                await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
+                delay = min(delay * 2, _RETRY_MAX)
+                continue
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = _as_bytes(message.get("type"))
+        name = _as_bytes(message.get("channel"))
+        data = message.get("data")
+        if kind == b"message":
+            payload = _as_bytes(data)
+            if name in self._channels:
+                self._on_grant(name, payload)
+            elif name in self._by_keyspace and payload in _GONE:
+                self._waitqueue.recheck_first(self._by_keyspace[name])
+        elif kind == b"subscribe":
+            wake = self._by_keyspace.get(name, name)
+            channel = self._channels.get(wake)
+            if channel is None or wake != name:
+                return
+            if channel.confirmed is None:
+                return
+            if channel.confirmed.done():
+                self._waitqueue.recheck_all(wake)  # re-subscribed after a reconnect
+            else:
+                channel.confirmed.set_result(None)
+
+    def _on_grant(self, wake: bytes, payload: bytes) -> None:
+        parts = payload.split(b" ")
+        if len(parts) != 3:
+            return
+        token, fence, ttl = parts[0].decode(), int(parts[1]), int(parts[2])
+        lot = self._waitqueue.lot(wake)
+        if lot is not None:
+            lot.note_lease(ttl)
+        self._waitqueue.unpark(token, fence)
+
+    async def aclose(self) -> None:
+        for channel in self._channels.values():
+            if channel.linger is not None:
+                channel.linger.cancel()
+        self._channels.clear()
+        self._by_keyspace.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub.aclose()
+            self._pubsub = None
+
+
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return b""
+
+
+def _ignore_result(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()

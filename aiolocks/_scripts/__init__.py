@@ -1,0 +1,35 @@
+"""The server-side operations, one `.lua` file each, with the shared prelude prepended.
+
+A `Script` is immutable text plus its SHA1: nothing here is bound to a client. Loading
+into a server happens per client, lazily, when EVALSHA answers NOSCRIPT (see `_context`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib.resources import files
+
+__all__ = ["Script", "load"]
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """One Lua script: its file name, full source and SHA1 (the EVALSHA handle)."""
+
+    name: str
+    source: str
+    sha: str
+
+
+def _read(filename: str) -> str:
+    return files(__name__).joinpath(filename).read_text(encoding="utf-8")
+
+
+_PRELUDE = _read("_prelude.lua")
+
+
+def load(name: str) -> Script:
+    """Build the script `name`.lua, prelude included."""
+    source = _PRELUDE + "\n" + _read(f"{name}.lua")
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())

@@ -1,0 +1,59 @@
+-- Shared helpers, prepended to every aiolocks script at load time.
+--
+-- The wait queue of a primitive is two keys kept in step:
+--   queue   LIST  of members in FIFO order
+--   waiters ZSET  member -> liveness deadline (server ms); a member whose
+--                 deadline has passed belongs to a dead process and is purged.
+-- A member is "<token>:<ttl_ms>" so that whoever pops it knows the lease to grant.
+-- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function split_member(member)
+  local sep = string.find(member, ':', 1, true)
+  return string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
+end
+
+-- Drop queue entries whose heartbeat deadline has passed.
+local function purge_dead(queue, waiters, now)
+  local dead = redis.call('ZRANGEBYSCORE', waiters, '-inf', '(' .. now)
+  if #dead > 0 then
+    for _, member in ipairs(dead) do
+      redis.call('LREM', queue, 1, member)
+    end
+    redis.call('ZREMRANGEBYSCORE', waiters, '-inf', '(' .. now)
+  end
+end
+
+-- Remove one member from the queue; returns true when it was queued.
+local function dequeue(queue, waiters, member)
+  if redis.call('ZREM', waiters, member) == 1 then
+    redis.call('LREM', queue, 1, member)
+    return true
+  end
+  return false
+end
+
+-- Put a member at the tail (once) and refresh its liveness deadline.
+local function enqueue(queue, waiters, member, deadline)
+  if redis.call('ZADD', waiters, deadline, member) == 1 then
+    redis.call('RPUSH', queue, member)
+  end
+end
+
+-- Pop the first queued (live) member; returns token, ttl_ms or nil.
+local function pop_head(queue, waiters)
+  local member = redis.call('LPOP', queue)
+  if not member then
+    return nil
+  end
+  redis.call('ZREM', waiters, member)
+  return split_member(member)
+end
+
+local function announce(channel, token, fence, ttl)
+  redis.call('PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
+end

@@ -1,0 +1,42 @@
+-- Try to take the mutex; optionally join its FIFO queue.
+-- KEYS[1] owner    STRING token of the holder, with the lease as its PX expiry
+-- KEYS[2] queue    LIST   waiting members, FIFO
+-- KEYS[3] waiters  ZSET   member -> liveness deadline (server ms)
+-- KEYS[4] fence    STRING fencing counter, INCR on every grant
+-- ARGV[1] token    ARGV[2] ttl_ms    ARGV[3] 'wait' to queue when busy, 'try' not to
+-- ARGV[4] channel  where grants are announced
+-- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
+--         {0, pttl} when queued behind a holder with pttl ms of lease left,
+--         {-1, pttl} when busy and the caller did not queue.
+local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local token, ttl, mode, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local member = token .. ':' .. ttl
+local now = now_ms()
+
+local current = redis.call('GET', owner)
+if current == token then
+  redis.call('PEXPIRE', owner, ttl)
+  return {1, tonumber(redis.call('GET', fence_key))}
+end
+
+purge_dead(queue, waiters, now)
+if not current then
+  local head = redis.call('LINDEX', queue, 0)
+  if not head or head == member then
+    if head then
+      dequeue(queue, waiters, member)
+    end
+    redis.call('SET', owner, token, 'PX', ttl)
+    return {1, redis.call('INCR', fence_key)}
+  end
+  -- Free while others wait ahead (the holder's lease ran out): hand it to the head.
+  local next_token, next_ttl = pop_head(queue, waiters)
+  redis.call('SET', owner, next_token, 'PX', next_ttl)
+  announce(channel, next_token, redis.call('INCR', fence_key), next_ttl)
+end
+
+if mode == 'wait' then
+  enqueue(queue, waiters, member, now + tonumber(ttl))
+  return {0, redis.call('PTTL', owner)}
+end
+return {-1, redis.call('PTTL', owner)}

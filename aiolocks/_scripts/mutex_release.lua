@@ -1,0 +1,31 @@
+-- Release the caller's holding, or withdraw it from the queue; hand the mutex on.
+-- Also the cancellation clean-up: whatever state the token reached, it leaves none.
+-- KEYS[1] owner  KEYS[2] queue  KEYS[3] waiters  KEYS[4] fence
+-- ARGV[1] token  ARGV[2] ttl_ms  ARGV[3] channel
+-- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
+-- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
+-- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head.
+local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local token, ttl, channel = ARGV[1], ARGV[2], ARGV[3]
+
+dequeue(queue, waiters, token .. ':' .. ttl)
+local current = redis.call('GET', owner)
+local status = 0
+if current == token then
+  status = 1
+elseif current then
+  return {0}
+end
+
+purge_dead(queue, waiters, now_ms())
+local next_token, next_ttl = pop_head(queue, waiters)
+if not next_token then
+  if status == 1 then
+    redis.call('DEL', owner)
+  end
+  return {status}
+end
+redis.call('SET', owner, next_token, 'PX', next_ttl)
+local fence = redis.call('INCR', fence_key)
+announce(channel, next_token, fence, next_ttl)
+return {status, next_token, fence, next_ttl}

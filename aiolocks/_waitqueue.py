@@ -1,0 +1,193 @@
+"""The local FIFO of parked waiters, one lot per channel, shared by every primitive.
+
+A waiter sleeps on its own future and is woken by: a grant for its token (`unpark`),
+a hint that the server state changed (`recheck_first`, `recheck_all`), its promotion to
+the head of its lot, or a timer. Only the head of a lot keeps the safety-net timer at the
+current lease's end, so a long wait costs one re-check per lease per process, not one per
+waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Iterator
+
+__all__ = ["Lot", "WaitQueue", "Waiter", "Wake"]
+
+
+class Wake(enum.Enum):
+    """Why a sleeping waiter woke up."""
+
+    GRANTED = "granted"  # a grant message for its token arrived: it holds the primitive
+    RECHECK = "recheck"  # the server state may have changed: re-run acquire
+    TIMER = "timer"  # the safety-net timer (the holder's lease may have ended)
+    DEADLINE = "deadline"  # the caller's timeout ran out
+
+
+class Waiter:
+    """One parked acquisition: its token, and what it has been told while parked."""
+
+    __slots__ = ("_future", "_recheck", "fence", "granted_at", "lot", "token", "ttl_ms")
+
+    def __init__(self, lot: Lot, token: str, ttl_ms: int) -> None:
+        self.lot = lot
+        self.token = token
+        self.ttl_ms = ttl_ms
+        self.fence: int | None = None
+        self.granted_at = 0.0
+        self._recheck = False
+        self._future: asyncio.Future[Wake] | None = None
+
+    @property
+    def member(self) -> str:
+        """The queue member of this waiter on the server."""
+        return f"{self.token}:{self.ttl_ms}"
+
+    @property
+    def is_head(self) -> bool:
+        return self.lot.head() is self
+
+    def grant(self, fence: int) -> None:
+        if self.fence is None:
+            self.fence = fence
+            self.granted_at = time.monotonic()
+        self._wake(Wake.GRANTED)
+
+    def recheck(self) -> None:
+        self._recheck = True
+        self._wake(Wake.RECHECK)
+
+    def _wake(self, reason: Wake) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(reason)
+
+    async def sleep(self, deadline: float | None) -> Wake:
+        """Sleep until told something, the lot's lease timer (head only) or `deadline`."""
+        while True:
+            if self.fence is not None:
+                return Wake.GRANTED
+            if self._recheck:
+                self._recheck = False
+                return Wake.RECHECK
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return Wake.DEADLINE
+            timer = self.lot.lease_end if self.lot.head() is self else None
+            if timer is not None and now >= timer:
+                return Wake.TIMER
+            wake_at = min((t for t in (deadline, timer) if t is not None), default=None)
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[Wake] = loop.create_future()
+            self._future = future
+            handle = None
+            if wake_at is not None:
+                handle = loop.call_at(loop.time() + (wake_at - now), _resolve, future, Wake.TIMER)
+            try:
+                reason = await future
+            finally:
+                self._future = None
+                if handle is not None:
+                    handle.cancel()
+            if reason is not Wake.TIMER:
+                continue  # the flags decide; a promotion just re-arms the timer
+            if deadline is not None and time.monotonic() >= deadline:
+                return Wake.DEADLINE
+            return Wake.TIMER
+
+
+def _resolve(future: asyncio.Future[Wake], reason: Wake) -> None:
+    if not future.done():
+        future.set_result(reason)
+
+
+class Lot:
+    """The waiters of one channel in this process, in arrival order."""
+
+    __slots__ = ("_waiters", "channel", "lease_end")
+
+    def __init__(self, channel: bytes) -> None:
+        self.channel = channel
+        self._waiters: dict[str, Waiter] = {}
+        # When the current holder's lease ends at the latest, as far as we know (monotonic).
+        self.lease_end: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def __iter__(self) -> Iterator[Waiter]:
+        return iter(list(self._waiters.values()))
+
+    def head(self) -> Waiter | None:
+        return next(iter(self._waiters.values()), None)
+
+    def note_lease(self, remaining_ms: int) -> None:
+        """Record that the holder's lease has `remaining_ms` left (from a script or a grant)."""
+        remaining = max(remaining_ms, 0) / 1000.0 + 0.002
+        self.lease_end = time.monotonic() + remaining
+
+
+class WaitQueue:
+    """All lots of one client: park / unpark(token) / recheck / unpark_all."""
+
+    __slots__ = ("_by_token", "_lots")
+
+    def __init__(self) -> None:
+        self._lots: dict[bytes, Lot] = {}
+        self._by_token: dict[str, Waiter] = {}
+
+    def park(self, channel: bytes, token: str, ttl_ms: int) -> Waiter:
+        lot = self._lots.get(channel)
+        if lot is None:
+            lot = self._lots[channel] = Lot(channel)
+        waiter = Waiter(lot, token, ttl_ms)
+        lot._waiters[token] = waiter
+        self._by_token[token] = waiter
+        return waiter
+
+    def remove(self, waiter: Waiter) -> None:
+        lot = waiter.lot
+        was_head = lot.head() is waiter
+        if lot._waiters.pop(waiter.token, None) is None:
+            return
+        self._by_token.pop(waiter.token, None)
+        if not lot._waiters:
+            del self._lots[lot.channel]
+        elif was_head:
+            new_head = lot.head()
+            if new_head is not None:
+                new_head._wake(Wake.RECHECK)  # re-arms its sleep with the lot's timer
+
+    def unpark(self, token: str, fence: int) -> bool:
+        """Deliver a grant to the waiter holding `token`; False if it is not ours."""
+        waiter = self._by_token.get(token)
+        if waiter is None:
+            return False
+        waiter.grant(fence)
+        return True
+
+    def lot(self, channel: bytes) -> Lot | None:
+        return self._lots.get(channel)
+
+    def recheck_first(self, channel: bytes) -> None:
+        """The holder may be gone: the first local waiter re-runs acquire for everyone here."""
+        lot = self._lots.get(channel)
+        head = lot.head() if lot is not None else None
+        if head is not None:
+            head.recheck()
+
+    def recheck_all(self, channel: bytes | None = None) -> None:
+        """Messages may have been lost: every waiter (of `channel`, or of all) re-checks."""
+        lots = [self._lots[channel]] if channel in self._lots else []
+        if channel is None:
+            lots = list(self._lots.values())
+        for lot in lots:
+            for waiter in lot:
+                waiter.recheck()
+
+    def waiters(self) -> Iterator[Waiter]:
+        return iter(list(self._by_token.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_token)
