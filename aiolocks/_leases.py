@@ -170,7 +170,7 @@ class LeaseKeeper:
             raise
         except Exception as exc:
             if cancelling():
-                raise
+                return  # shutting down: a dropped socket raced the cancellation
             log.debug("aiolocks: renewal failed: %r", exc)
             results = [exc] * len(calls)
         self.renewals += len(leases)

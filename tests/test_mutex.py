@@ -1,0 +1,195 @@
+"""RedisMutex behaviour that needs real servers: waiting cost, renewal, lease loss, pub/sub faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+import redis
+import redis.asyncio
+
+from _probes import QueueProbe
+from _servers import ServerProcess, command_count
+from aiolocks import LockLost, LockNotOwned, RedisMutex
+from aiolocks._context import context_for
+
+
+# What a client can send itself; commandstats also counts the commands scripts run.
+_TOP_LEVEL = {"evalsha", "eval", "script", "subscribe", "unsubscribe", "config", "publish"}
+
+
+async def _wait_cost(url: str, name: str, seconds: float) -> tuple[int, int]:
+    """(commands the waiter sent, all commands the server ran) while one waiter waited
+    `seconds` on a held mutex."""
+    holder_client = redis.asyncio.Redis.from_url(url)
+    waiter_client = redis.asyncio.Redis.from_url(url)
+    observer = redis.asyncio.Redis.from_url(url)
+    try:
+        holder = RedisMutex(holder_client, name, ttl=30)
+        assert await holder.acquire()
+        before = await command_count(observer, _TOP_LEVEL)
+        before_all = await command_count(observer)
+        assert await RedisMutex(waiter_client, name, ttl=30).acquire(timeout=seconds) is False
+        after_all = await command_count(observer)
+        after = await command_count(observer, _TOP_LEVEL)
+        await holder.release()
+        return after - before, after_all - before_all - 2  # minus our own INFO calls
+    finally:
+        for client in (holder_client, waiter_client, observer):
+            await client.aclose()
+
+
+async def test_waiting_does_not_poll(server: ServerProcess, r: redis.asyncio.Redis) -> None:
+    await _wait_cost(server.url, "m:poll-warm-up", 0.05)  # loads the scripts once
+    short = await _wait_cost(server.url, "m:poll-short", 0.5)
+    long = await _wait_cost(server.url, "m:poll-long", 2.0)
+    # try, CONFIG GET (once per client), SUBSCRIBE, queue, withdraw: a constant.
+    assert long[0] <= 5, long
+    assert long == short, (short, long)  # four times the wait, not one command more
+
+
+async def test_renewal_keeps_a_long_body_exclusive(r: redis.asyncio.Redis, url: str) -> None:
+    other_client = redis.asyncio.Redis.from_url(url)
+    mutex = RedisMutex(r, "m:renew", ttl=1)
+    contender = RedisMutex(other_client, "m:renew", ttl=1)
+    released_at = 0.0
+    try:
+        async with mutex:
+            token = (await mutex.inspect()).owner
+            waiting = asyncio.create_task(contender.acquire())
+            await asyncio.sleep(5)  # five leases long; renewal every ttl/3 keeps it
+            assert not waiting.done()
+            info = await mutex.inspect()
+            assert info.owner == token and info.queue_length == 1
+            assert not mutex.lost.is_set()
+            released_at = time.monotonic()
+        assert await asyncio.wait_for(waiting, 5)
+        assert time.monotonic() >= released_at
+        await contender.release()
+    finally:
+        await other_client.aclose()
+
+
+@pytest.mark.parametrize("how", ["deleted", "taken"])
+async def test_lost_lease_cancels_the_body_and_raises(r: redis.asyncio.Redis, how: str) -> None:
+    mutex = RedisMutex(r, "m:lost", ttl=1)
+    finished = False
+    started = 0.0
+    with pytest.raises(LockLost) as info:
+        async with mutex:
+            owner = mutex._spec.keys[0]
+            if how == "deleted":
+                await r.delete(owner)
+            else:
+                await r.set(owner, "someone-else", px=5000)
+            started = time.monotonic()
+            await asyncio.sleep(10)
+            finished = True
+    assert not finished
+    assert time.monotonic() - started < 1.0 + 0.5  # noticed within the ttl (renewal at ttl/3)
+    assert info.value.name == "m:lost"
+    assert mutex.statistics().held_here == 0
+    if how == "taken":
+        assert await r.get(mutex._spec.keys[0]) == b"someone-else"  # never touched
+
+
+async def test_lost_lease_is_raised_even_if_the_body_finished(r: redis.asyncio.Redis) -> None:
+    mutex = RedisMutex(r, "m:lost-finished", ttl=0.6)
+    body_done = False
+    with pytest.raises(LockLost):
+        async with mutex:
+            await r.delete(mutex._spec.keys[0])
+            with anyio.CancelScope(shield=True):  # the body does not notice the cancel
+                await asyncio.wait_for(mutex.lost.wait(), 5)
+            body_done = True
+    assert body_done
+
+
+async def test_lost_lease_outside_async_with_sets_event_and_calls_back(
+    r: redis.asyncio.Redis,
+) -> None:
+    reported: list[LockLost] = []
+    mutex = RedisMutex(r, "m:lost-plain", ttl=0.6, on_lost=reported.append)
+    assert await mutex.acquire()
+    await r.delete(mutex._spec.keys[0])
+    await asyncio.wait_for(mutex.lost.wait(), 5)
+    assert len(reported) == 1 and reported[0].name == "m:lost-plain"
+    assert mutex.statistics().lost
+    with pytest.raises(LockLost):
+        await mutex.release()
+    with pytest.raises(LockNotOwned):
+        await mutex.release()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"name": ""}, ValueError),
+        ({"name": "a{b"}, ValueError),
+        ({"name": "a}b"}, ValueError),
+        ({"name": 42}, TypeError),
+        ({"ttl": 0}, ValueError),
+        ({"ttl": -1}, ValueError),
+        ({"ttl": float("inf")}, ValueError),
+        ({"ttl": "30"}, TypeError),
+        ({"timeout": -0.1}, ValueError),
+        ({"prefix": "a{"}, ValueError),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, object], error: type) -> None:
+    # A client for a port nothing listens on: any Redis call would fail differently.
+    client = redis.asyncio.Redis(host="127.0.0.1", port=1)
+    args: dict[str, object] = {"name": "ok"}
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        RedisMutex(client, **args)  # type: ignore[arg-type]
+    assert str(info.value)
+
+
+def test_a_sync_client_is_refused() -> None:
+    with pytest.raises(TypeError, match="redis.asyncio"):
+        RedisMutex(redis.Redis(host="127.0.0.1", port=1), "ok")  # type: ignore[arg-type]
+
+
+async def test_bad_acquire_arguments_fail_before_any_redis_call() -> None:
+    client = redis.asyncio.Redis(host="127.0.0.1", port=1)
+    mutex = RedisMutex(client, "ok")
+    with pytest.raises(ValueError):
+        await mutex.acquire(timeout=-1)
+    with pytest.raises(ValueError):
+        await mutex.acquire(blocking=False, timeout=1)
+    assert context_for(client).commands_sent == 0
+    await client.aclose()
+
+
+async def test_pubsub_connection_killed_while_waiting(r: redis.asyncio.Redis, url: str) -> None:
+    waiters_client = redis.asyncio.Redis.from_url(url)
+    try:
+        holder = RedisMutex(r, "m:pubsub-kill", ttl=30)
+        shared = RedisMutex(waiters_client, "m:pubsub-kill", ttl=30)
+        probe = QueueProbe(waiters_client)
+        assert await holder.acquire()
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            async with shared:
+                order.append(i)
+                await asyncio.sleep(0)
+
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.create_task(waiter(i)))
+            await probe.wait_queued(i + 1)
+        notifier = context_for(waiters_client).notifier
+        reconnects = notifier.reconnects
+        killed = await r.client_kill_filter(_type="pubsub")
+        assert killed >= 1
+        await holder.release()  # this grant message is published while nobody listens
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        assert order == list(range(20))
+        assert notifier.reconnects > reconnects
+        assert not await shared.locked()
+    finally:
+        await waiters_client.aclose()

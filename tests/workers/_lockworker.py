@@ -1,0 +1,81 @@
+"""Shared helpers of the worker processes of ``tests/test_mutex_processes.py``.
+
+Workers print machine-readable lines to stdout, one event per line: a word, then
+space-separated fields (``queued <token>``, ``acquired <index> <fence> <monotonic>``...).
+``time.monotonic()`` is CLOCK_MONOTONIC, shared by every process of the host, so times
+printed by different workers (and the test) can be compared.
+
+Every worker bounds its whole run with `run` and exits on its own: 0 on success,
+``EXIT_TIMEOUT`` when its deadline passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import redis.asyncio
+
+__all__ = ["EXIT_TIMEOUT", "QueueReportingRedis", "emit", "queued_token", "run"]
+
+EXIT_TIMEOUT = 3
+
+
+def emit(*fields: object) -> None:
+    """Print one event line and flush it at once (stdout is a pipe)."""
+    print(" ".join(str(field) for field in fields), flush=True)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def queued_token(args: tuple[Any, ...], reply: Any) -> str | None:
+    """The token of an aiolocks acquire-script call that put its caller on the server's queue.
+
+    The acquire script is called as ``EVALSHA sha numkeys *keys token ttl_ms mode channel``
+    and answers ``{0, pttl}`` when, in mode ``wait``, it queued the caller (see
+    ``aiolocks/_acquire.py``). The reply arrives only after the script ran, so the caller
+    is on the server's queue from then on.
+    """
+    if len(args) < 3 or _text(args[0]).upper() != "EVALSHA":
+        return None
+    argv = args[3 + int(args[2]) :]
+    if len(argv) < 4 or _text(argv[2]) != "wait":
+        return None
+    if not isinstance(reply, list) or len(reply) != 2 or int(reply[0]) != 0:
+        return None
+    return _text(argv[0])
+
+
+_reported: set[str] = set()
+
+
+class QueueReportingRedis(redis.asyncio.Redis):
+    """A client that prints ``queued <token>`` once per token, as soon as the server's reply
+    to an acquire call says that waiter is queued."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        reply = await super().execute_command(*args, **options)
+        token = queued_token(args, reply)
+        if token is not None and token not in _reported:
+            _reported.add(token)
+            emit("queued", token)
+        return reply
+
+
+def run(main: Coroutine[Any, Any, int], timeout: float) -> int:
+    """Run ``main`` for at most ``timeout`` seconds; its exit status, or ``EXIT_TIMEOUT``."""
+
+    async def bounded() -> int:
+        try:
+            return await asyncio.wait_for(main, timeout)
+        except asyncio.TimeoutError:
+            emit("timeout", timeout)
+            return EXIT_TIMEOUT
+
+    status = asyncio.run(bounded())
+    sys.stdout.flush()
+    return status
