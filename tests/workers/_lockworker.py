@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio
@@ -58,7 +58,8 @@ class QueueReportingRedis(redis.asyncio.Redis):
     to an acquire call says that waiter is queued."""
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        reply = await super().execute_command(*args, **options)
+        execute: Callable[..., Awaitable[Any]] = super().execute_command  # untyped upstream
+        reply = await execute(*args, **options)
         token = queued_token(args, reply)
         if token is not None and token not in _reported:
             _reported.add(token)

@@ -1,12 +1,14 @@
 """Worker: acquire a `RedisMutex`, then die holding it when told to.
 
-    python mutex_crasher.py URL NAME TTL TIMEOUT
+    python mutex_crasher.py URL NAME TTL HOLD TIMEOUT
 
 Acquires (waiting at most TIMEOUT seconds), prints ``held <fence> <monotonic>`` and keeps
-the lease renewed until a line ``crash`` arrives on stdin; then prints ``crashing`` and
-ends the process with ``os._exit(1)``: no release, no clean-up, the lease just stops being
-renewed. Without such a line within TIMEOUT seconds (or on end of input) it exits with 2
-without releasing either.
+the lease renewed until a line ``crash`` arrives on stdin. Then it holds on for HOLD more
+seconds (so that its lease has been renewed at least once when HOLD > TTL/3), checks that
+it still holds the mutex, prints ``crashing`` and ends the process with ``os._exit(1)``:
+no release, no clean-up, the lease just stops being renewed. Without such a line within
+TIMEOUT seconds (or on end of input), or if it lost the mutex meanwhile, it prints why and
+exits with 2, without releasing either.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from aiolocks import RedisMutex
 
 
 async def main(argv: list[str]) -> int:
-    url, name, ttl, timeout = argv[0], argv[1], float(argv[2]), float(argv[3])
+    url, name = argv[0], argv[1]
+    ttl, hold, timeout = float(argv[2]), float(argv[3]), float(argv[4])
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
@@ -32,16 +35,23 @@ async def main(argv: list[str]) -> int:
     if not await mutex.acquire(timeout=timeout):
         emit("not-acquired")
         os._exit(2)
-    emit("held", mutex.fencing_token, time.monotonic())
+    fence = mutex.fencing_token
+    emit("held", fence, time.monotonic())
     try:
         line = await asyncio.wait_for(stdin.readline(), timeout)
     except asyncio.TimeoutError:
         line = b""
-    if line.strip() == b"crash":
-        emit("crashing")
-        os._exit(1)  # dies holding the mutex
-    emit("no-crash-order")
-    os._exit(2)
+    if line.strip() != b"crash":
+        emit("no-crash-order")
+        os._exit(2)
+    await asyncio.sleep(hold)  # keep holding (and renewing) a while longer
+    info = await asyncio.wait_for(mutex.inspect(), timeout)
+    # Nobody else was granted it since (the fence would have moved on) and it is still held.
+    if mutex.lost.is_set() or info.owner is None or info.fence != fence:
+        emit("lost-before-crash", info)
+        os._exit(2)
+    emit("crashing", time.monotonic())
+    os._exit(1)  # dies holding the mutex
 
 
 if __name__ == "__main__":

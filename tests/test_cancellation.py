@@ -1,0 +1,124 @@
+"""Cancellation at any await leaves nothing behind: no holder, no queue entry, no stuck waiter."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import redis.asyncio
+
+from _probes import QueueProbe, mutex_keys
+from aiolocks import RedisMutex
+from aiolocks._context import context_for
+from conftest import Backend
+
+
+async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend) -> None:
+    rng = random.Random(20261122)
+    clients = [any_backend.client() for _ in range(2)]
+    await clients[0].flushall()
+    name = "x:storm"
+    mutexes = [RedisMutex(client, name, ttl=5) for client in clients]
+    outcomes = {"acquired": 0, "cancelled": 0}
+
+    async def attempt(mutex: RedisMutex) -> None:
+        task = asyncio.create_task(mutex.acquire())
+        # Before it starts, or within 0..4 ms: in flight, queued, or granted but unread
+        roll = rng.random()
+        if roll > 0.2:
+            await asyncio.sleep(0 if roll < 0.4 else rng.random() * 0.004)
+        task.cancel()
+        try:
+            got = await task
+        except asyncio.CancelledError:
+            outcomes["cancelled"] += 1
+            return
+        outcomes["acquired"] += 1
+        if got:
+            await asyncio.sleep(rng.random() * 0.002)
+            await mutex.release()  # adopts the holding of the finished task
+
+    async def storm() -> None:
+        for _ in range(10):
+            await asyncio.gather(*(attempt(mutexes[i % 2]) for i in range(50)))
+
+    await asyncio.wait_for(storm(), 60)
+    assert outcomes["acquired"] + outcomes["cancelled"] == 500
+    assert outcomes["cancelled"] > 0  # the storm really cancelled mid-way
+
+    keys = await mutex_keys(clients[0], name)
+    assert set(keys) <= {"fence"}, keys  # no owner, no queue, no waiters left
+    for client, mutex in zip(clients, mutexes, strict=True):
+        context = context_for(client)
+        assert len(context.waitqueue) == 0
+        assert mutex.statistics().held_here == 0 and mutex.statistics().tasks_waiting == 0
+    fresh = RedisMutex(clients[1], name)
+    assert await fresh.acquire(blocking=False)  # at once: nothing stuck ahead of it
+    await fresh.release()
+
+
+@pytest.mark.parametrize("point", ["in-flight", "queued", "granted-unread"])
+async def test_cancel_at_each_point_hands_the_lock_on(
+    r: redis.asyncio.Redis, url: str, point: str
+) -> None:
+    other = redis.asyncio.Redis.from_url(url)
+    try:
+        holder = RedisMutex(r, "x:point", ttl=5)
+        victim = RedisMutex(other, "x:point", ttl=5)
+        behind = RedisMutex(r, "x:point", ttl=5)
+        assert await holder.acquire()
+        probe = QueueProbe(other)
+        task = asyncio.create_task(victim.acquire())
+        if point == "in-flight":
+            await asyncio.sleep(0)
+        else:
+            await probe.wait_queued(1)  # the server has it in the queue
+        behind_task = asyncio.create_task(behind.acquire())
+        if point == "granted-unread":
+            # Release hands the lock to the victim, whose grant message stays unread.
+            notifier = context_for(other).notifier
+            notifier._on_grant = lambda wake, payload: None  # type: ignore[method-assign]
+            await holder.release()
+            assert (await victim.inspect()).owner is not None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        if point != "granted-unread":
+            await holder.release()
+        # Whatever the victim had reached, the lock goes on to the next waiter.
+        assert await asyncio.wait_for(behind_task, 5)
+        info = await behind.inspect()
+        assert info.queue_length == 0
+        await behind.release()
+        assert not await behind.locked()
+    finally:
+        await other.aclose()
+
+
+async def test_timeout_of_a_queued_waiter_withdraws_it(r: redis.asyncio.Redis) -> None:
+    holder = RedisMutex(r, "x:timeout", ttl=5)
+    assert await holder.acquire()
+    for _ in range(3):
+        assert await RedisMutex(r, "x:timeout").acquire(timeout=0.05) is False
+    assert (await holder.inspect()).queue_length == 0
+    await holder.release()
+    assert set(await mutex_keys(r, "x:timeout")) == {"fence"}
+
+
+async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:
+    mutex = RedisMutex(r, "x:release")
+    releasing = asyncio.Event()
+
+    async def hold_then_release() -> None:
+        assert await mutex.acquire()
+        releasing.set()
+        await mutex.release()  # cancelled while its script is in flight
+
+    task = asyncio.create_task(hold_then_release())
+    await asyncio.wait_for(releasing.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await mutex.locked()
+    assert mutex.statistics().held_here == 0
