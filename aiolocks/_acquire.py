@@ -24,7 +24,7 @@ from ._context import ClientContext
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
 
-__all__ = ["Grant", "Spec", "acquire", "release", "shielded"]
+__all__ = ["Grant", "Spec", "acquire", "release", "release_surely", "shielded"]
 
 T = TypeVar("T")
 
@@ -147,6 +147,21 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     return int(reply[0]) == 1
 
 
+async def release_surely(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
+    """`release`, completed even if the caller is cancelled meanwhile.
+
+    The fast path awaits the script directly (no extra task). If a cancellation interrupts
+    it, the script is run again shielded: it is idempotent, so a release that did reach the
+    server answers "not held" the second time and changes nothing. Then the cancellation
+    is re-raised.
+    """
+    try:
+        return await release(context, spec, token, ttl_ms)
+    except asyncio.CancelledError:
+        await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
+        raise
+
+
 def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
     waiter = context.waitqueue.park(spec.channel, token, ttl_ms)
     context.keeper.watch_waiter(spec.waiters_key, waiter)
@@ -174,20 +189,16 @@ else:  # pragma: no cover - Python 3.10
         return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
 
 
-async def shielded(
-    call: Callable[[], Awaitable[T]], bound: float, *, swallow: bool = True
-) -> T | None:
+async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
     """Run `call()` to completion even if the caller is cancelled meanwhile, for at most
-    `bound` seconds. A cancellation of the caller is re-raised once the call is done.
-    With `swallow`, errors (the timeout included) give None instead of propagating."""
+    `bound` seconds; errors (the timeout included) give None. A cancellation of the
+    caller is re-raised once the call is done."""
 
     async def bounded() -> T | None:
         try:
             return await asyncio.wait_for(call(), bound)
         except Exception:
-            if swallow:
-                return None
-            raise
+            return None
 
     task = asyncio.ensure_future(bounded())
     cancelled = False
@@ -199,8 +210,6 @@ async def shielded(
             if task.done():
                 break
             cancelled = True
-        except Exception:
-            break
     if cancelled:
         raise asyncio.CancelledError
     return task.result()

@@ -200,11 +200,7 @@ class LeasedLock:
             )
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
-            held = await _acquire.shielded(
-                lambda: _acquire.release(context, self._spec, holding.token, self._ttl_ms),
-                _acquire.CLEANUP_BOUND,
-                swallow=False,
-            )
+            held = await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
         if not held:
             holding.lost_reason = "it was no longer held when released"
             holding.lost.set()

@@ -32,6 +32,8 @@ HEARTBEAT = load("heartbeat")
 # between this host and the server, as in the Redlock analysis.
 _DRIFT = 0.01
 _RETRY_MIN = 0.01
+# An idle keeper task ends after this long with nothing to renew.
+_IDLE_EXIT = 1.0
 
 
 def validity(sent_at: float, ttl: float) -> float:
@@ -130,12 +132,22 @@ class LeaseKeeper:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._leases or self._groups:
+        idle_since: float | None = None
+        while True:
             now = time.monotonic()
-            due = min(
-                [min(lease.next_due, lease.valid_until) for lease in self._leases]
-                + [group.next_due for group in self._groups.values()]
-            )
+            if not (self._leases or self._groups):
+                # Idle: linger a while, so short holds do not start a task each.
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= _IDLE_EXIT:
+                    return
+                due = idle_since + _IDLE_EXIT
+            else:
+                idle_since = None
+                due = min(
+                    [min(lease.next_due, lease.valid_until) for lease in self._leases]
+                    + [group.next_due for group in self._groups.values()]
+                )
             if due > now:
                 self._wake_at = due
                 self._sleeper = loop.create_future()

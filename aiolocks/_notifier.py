@@ -56,7 +56,7 @@ class Notifier:
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
-        self._keyspace_enabled: bool | None = None
+        self._keyspace_enabled: asyncio.Future[bool] | None = None
         self.reconnects = 0  # how many times the subscription was re-established
 
     def watching(self, wake: bytes) -> bool:
@@ -126,17 +126,25 @@ class Notifier:
             task.add_done_callback(_ignore_result)
 
     async def _keyspace_on(self) -> bool:
-        """Ask once whether the server sends keyspace events for generic and expired keys."""
+        """Whether the server sends keyspace events for generic and expired keys; asked
+        once per client, however many waiters want to know at the same moment."""
         if self._keyspace_enabled is None:
-            try:
-                reply = await self._client.config_get("notify-keyspace-events")
-                flags = str(next(iter(reply.values()), "") if reply else "")
-                self._keyspace_enabled = "K" in flags and (
-                    "A" in flags or ("g" in flags and "x" in flags)
-                )
-            except redis.exceptions.RedisError:
-                self._keyspace_enabled = True  # CONFIG may be disabled: subscribe anyway
-        return self._keyspace_enabled
+            self._keyspace_enabled = asyncio.ensure_future(self._ask_keyspace())
+        asked = self._keyspace_enabled
+        try:
+            return await asyncio.shield(asked)
+        except (redis.exceptions.RedisError, OSError):
+            if self._keyspace_enabled is asked:
+                self._keyspace_enabled = None  # ask again next time
+            raise
+
+    async def _ask_keyspace(self) -> bool:
+        try:
+            reply = await self._client.config_get("notify-keyspace-events")
+        except redis.exceptions.RedisError:
+            return True  # CONFIG may be disabled: subscribe anyway, it costs little
+        flags = str(next(iter(reply.values()), "") if reply else "")
+        return "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
 
     async def _subscribe(self, channel: _Channel) -> None:
         names = [channel.wake] if channel.keyspace is None else [channel.wake, channel.keyspace]

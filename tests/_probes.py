@@ -22,21 +22,25 @@ class QueueProbe:
 
         async def execute(*args: Any) -> Any:
             reply = await inner(*args)
-            if args[0] == "EVALSHA" and isinstance(reply, list) and len(reply) == 2:
-                if int(reply[0]) == 0:
-                    token = args[3 + int(args[2])]
-                    if token not in self.queued:
-                        self.queued.append(token)
-                        async with self._changed:
-                            self._changed.notify_all()
+            queued = isinstance(reply, list) and len(reply) == 2 and int(reply[0]) == 0
+            if args[0] == "EVALSHA" and queued:
+                token = args[3 + int(args[2])]
+                if token not in self.queued:
+                    self.queued.append(token)
+                    async with self._changed:
+                        self._changed.notify_all()
             return reply
 
         self.context._execute = execute
 
     async def wait_queued(self, count: int, timeout: float = 10.0) -> None:
         """Wait until `count` distinct tokens have been queued (bounded)."""
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(lambda: len(self.queued) >= count)
+
+        async def wait() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self.queued) >= count)
+
+        await asyncio.wait_for(wait(), timeout)
 
 
 async def mutex_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:

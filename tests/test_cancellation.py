@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 import redis.asyncio
-
 from _probes import QueueProbe, mutex_keys
+from conftest import Backend
+
 from aiolocks import RedisMutex
 from aiolocks._context import context_for
-from conftest import Backend
 
 
 async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend) -> None:
@@ -108,17 +109,27 @@ async def test_timeout_of_a_queued_waiter_withdraws_it(r: redis.asyncio.Redis) -
 
 async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:
     mutex = RedisMutex(r, "x:release")
-    releasing = asyncio.Event()
+    context = context_for(r)
+    inner = context._execute
+    in_flight = asyncio.Event()
+    release_sha = mutex._spec.release.sha
+
+    async def stalled_first_release(*args: Any) -> Any:
+        if args[:2] == ("EVALSHA", release_sha) and not in_flight.is_set():
+            in_flight.set()
+            await asyncio.Event().wait()  # never answers: only a cancellation ends it
+        return await inner(*args)
+
+    context._execute = stalled_first_release
 
     async def hold_then_release() -> None:
         assert await mutex.acquire()
-        releasing.set()
-        await mutex.release()  # cancelled while its script is in flight
+        await mutex.release()
 
     task = asyncio.create_task(hold_then_release())
-    await asyncio.wait_for(releasing.wait(), 5)
+    await asyncio.wait_for(in_flight.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert not await mutex.locked()
+    assert not await mutex.locked()  # the shielded re-run released it
     assert mutex.statistics().held_here == 0

@@ -7,14 +7,14 @@ join this parametrization when they exist.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio
+from conftest import Backend
 
 from aiolocks import LockError, LockNotOwned, LockReentry, LockTimeout, RedisMutex
-from conftest import Backend
 
 LockFactory = Callable[..., Any]
 
@@ -173,8 +173,7 @@ async def test_decorator_holds_the_lock_for_each_call(
     most_inside = 0
     fences = []
 
-    @lock
-    async def critical(x: int) -> int:
+    async def body(x: int) -> int:
         nonlocal inside, most_inside
         inside += 1
         most_inside = max(most_inside, inside)
@@ -184,10 +183,11 @@ async def test_decorator_holds_the_lock_for_each_call(
         inside -= 1
         return x * 2
 
+    critical: Callable[[int], Awaitable[int]] = lock(body)
     results = await asyncio.wait_for(asyncio.gather(*(critical(i) for i in range(10))), 20)
     assert results == [i * 2 for i in range(10)]
     assert most_inside == 1 and len(set(fences)) == 10
-    assert critical.__name__ == "critical"
+    assert critical.__name__ == "body"  # functools.wraps
     assert not await lock.locked()
 
 

@@ -1,4 +1,4 @@
-"""RedisMutex behaviour that needs real servers: waiting cost, renewal, lease loss, pub/sub faults."""
+"""RedisMutex on real servers: waiting cost, renewal, lease loss, bad input, pub/sub faults."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import anyio
 import pytest
 import redis
 import redis.asyncio
-
 from _probes import QueueProbe
 from _servers import ServerProcess, command_count
+
 from aiolocks import LockLost, LockNotOwned, RedisMutex
 from aiolocks._context import context_for
-
 
 # What a client can send itself; commandstats also counts the commands scripts run.
 _TOP_LEVEL = {"evalsha", "eval", "script", "subscribe", "unsubscribe", "config", "publish"}
@@ -149,7 +148,7 @@ def test_bad_arguments_fail_at_construction(kwargs: dict[str, object], error: ty
 
 
 def test_a_sync_client_is_refused() -> None:
-    with pytest.raises(TypeError, match="redis.asyncio"):
+    with pytest.raises(TypeError, match=r"redis\.asyncio"):
         RedisMutex(redis.Redis(host="127.0.0.1", port=1), "ok")  # type: ignore[arg-type]
 
 

@@ -11,14 +11,19 @@
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token, ttl, mode, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local member = token .. ':' .. ttl
-local now = now_ms()
 
 local current = redis.call('GET', owner)
 if current == token then
   redis.call('PEXPIRE', owner, ttl)
   return {1, tonumber(redis.call('GET', fence_key))}
 end
+if not current and redis.call('LLEN', queue) == 0 then
+  -- The uncontended path: free, nobody queued.
+  redis.call('SET', owner, token, 'PX', ttl)
+  return {1, redis.call('INCR', fence_key)}
+end
 
+local now = now_ms()
 purge_dead(queue, waiters, now)
 if not current then
   local head = redis.call('LINDEX', queue, 0)

@@ -17,6 +17,12 @@ elseif current then
   return {0}
 end
 
+if redis.call('LLEN', queue) == 0 then
+  if status == 1 then
+    redis.call('DEL', owner)
+  end
+  return {status}
+end
 purge_dead(queue, waiters, now_ms())
 local next_token, next_ttl = pop_head(queue, waiters)
 if not next_token then
