@@ -189,7 +189,10 @@ class Notifier:
                     return  # shutting down: a dropped socket raced the cancellation
                 log.debug("aiolocks: pub/sub read failed: %r", exc)
                 if not any(channel.refs > 0 for channel in self._channels.values()):
-                    await self._drop_idle()  # nobody waits (e.g. the client was closed)
+                    # Nobody waits (e.g. the client was closed): stop; the next waiter
+                    # subscribes afresh and starts a new reader.
+                    self._reader = None
+                    await self._drop_idle()
                     return
                 self._waitqueue.recheck_all()
                 await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
@@ -243,19 +246,12 @@ class Notifier:
         self._waitqueue.unpark(token, fence)
 
     async def aclose(self) -> None:
-        for channel in self._channels.values():
-            if channel.linger is not None:
-                channel.linger.cancel()
-        self._channels.clear()
-        self._by_keyspace.clear()
-        if self._reader is not None:
-            self._reader.cancel()
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
-            self._pubsub = None
+                await reader
+        await self._drop_idle()
 
 
 def _as_bytes(value: object) -> bytes:
