@@ -39,7 +39,6 @@ GRANTED, QUEUED, BUSY = 1, 0, -1
 class Spec:
     """What a primitive instance gives the engine: its keys, channel and scripts."""
 
-    name: str
     keys: tuple[bytes, ...]
     waiters_key: bytes
     channel: bytes

@@ -8,7 +8,6 @@ and a bounded number of in-flight commands.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,9 +25,9 @@ __all__ = ["ClientContext", "context_for", "ensure_async_client"]
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
 _MAX_IN_FLIGHT = 64
 
-_contexts: weakref.WeakKeyDictionary[Any, dict[asyncio.AbstractEventLoop, ClientContext]] = (
-    weakref.WeakKeyDictionary()
-)
+# Contexts live on the client itself (client <-> context is an ordinary cycle the garbage
+# collector frees with the client), one per event loop the client is used from.
+_ATTRIBUTE = "_aiolocks_contexts"
 
 
 def ensure_async_client(client: object) -> redis.asyncio.Redis:
@@ -44,11 +43,16 @@ def ensure_async_client(client: object) -> redis.asyncio.Redis:
 def context_for(client: redis.asyncio.Redis) -> ClientContext:
     """The engine state of `client` on the running event loop, created on first use."""
     loop = asyncio.get_running_loop()
-    per_loop = _contexts.get(client)
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
+        client, _ATTRIBUTE, None
+    )
     if per_loop is None:
-        per_loop = _contexts[client] = {}
+        per_loop = {}
+        setattr(client, _ATTRIBUTE, per_loop)
     context = per_loop.get(loop)
     if context is None or context.closed:
+        for old in [old for old in per_loop if old.is_closed()]:
+            del per_loop[old]  # a client reused across asyncio.run() calls
         context = per_loop[loop] = ClientContext(client)
     return context
 

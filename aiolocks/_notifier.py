@@ -16,6 +16,8 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from ._leases import cancelling
 from ._waitqueue import WaitQueue
@@ -58,6 +60,7 @@ class Notifier:
         self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
         self._keyspace_enabled: asyncio.Future[bool] | None = None
         self.reconnects = 0  # how many times the subscription was re-established
+        self._saved_retry: tuple[Any, Any] | None = None
 
     def watching(self, wake: bytes) -> bool:
         """True when grants on `wake` are known to reach this process."""
@@ -168,8 +171,16 @@ class Notifier:
 
     def _watch_connection(self) -> None:
         connection = self._pubsub.connection
-        if connection is not None:
-            connection.register_connect_callback(self._on_connect)
+        if connection is None:
+            return
+        connection.register_connect_callback(self._on_connect)
+        if self._saved_retry is None:
+            # redis-py's retry re-connects inside a failed read (even after the client was
+            # closed, and even while the loop shuts down, orphaning the new socket). The
+            # reader re-connects by itself, with a bounded back-off, so errors must reach
+            # it untouched. The client's policy is put back when the connection goes back.
+            self._saved_retry = (connection, connection.retry)
+            connection.retry = _Once()
 
     async def _on_connect(self, connection: Any) -> None:
         # redis-py re-subscribes by itself (its own callback runs first); each channel is
@@ -183,6 +194,10 @@ class Notifier:
                 message = await self._pubsub.get_message(timeout=None)
                 delay = _RETRY_MIN
             except asyncio.CancelledError:
+                # Shutdown (aclose, or the loop closing): close the connection too.
+                if self._reader is asyncio.current_task():
+                    self._reader = None
+                await self._drop_idle()
                 raise
             except Exception as exc:  # the link is down: everyone re-checks on their own
                 if cancelling():
@@ -194,6 +209,10 @@ class Notifier:
                     self._reader = None
                     await self._drop_idle()
                     return
+                connection = self._pubsub.connection
+                if connection is not None:  # the next read re-connects and re-subscribes
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(connection.disconnect(), 1.0)
                 self._waitqueue.recheck_all()
                 await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
                 delay = min(delay * 2, _RETRY_MAX)
@@ -202,15 +221,25 @@ class Notifier:
                 self._dispatch(message)
 
     async def _drop_idle(self) -> None:
-        """Forget every (idle) subscription; the next waiter subscribes afresh."""
+        """Forget every (idle) subscription; the next waiter subscribes afresh. Only called
+        when no reader is reading the connection."""
         for channel in self._channels.values():
             if channel.linger is not None:
                 channel.linger.cancel()
         self._channels.clear()
         self._by_keyspace.clear()
         pubsub, self._pubsub = self._pubsub, None
+        if self._saved_retry is not None:
+            connection, retry = self._saved_retry
+            connection.retry = retry
+            self._saved_retry = None
         if pubsub is not None:
+            connection = pubsub.connection
             with contextlib.suppress(Exception):
+                if connection is not None:
+                    # Nobody reads it now (callers see to that), so the close can be
+                    # awaited: the socket is shut even if the loop is about to close.
+                    await asyncio.wait_for(connection.disconnect(), 1.0)
                 await pubsub.aclose()
 
     def _dispatch(self, message: dict[str, Any]) -> None:
@@ -252,6 +281,16 @@ class Notifier:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
         await self._drop_idle()
+
+
+class _Once(Retry):
+    """A retry policy that tries once and never re-connects on failure."""
+
+    def __init__(self) -> None:
+        super().__init__(NoBackoff(), 0)
+
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        return await do()
 
 
 def _as_bytes(value: object) -> bytes:
