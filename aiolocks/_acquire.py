@@ -4,10 +4,12 @@ A primitive supplies a `Spec` (its keys and scripts); this module does the waiti
 subscription, heartbeats and the cancellation clean-up, so no primitive re-implements
 them. Script conventions (see `_scripts/*.lua`):
 
-- acquire: KEYS = spec.keys, ARGV = token, ttl_ms, 'try'|'wait', channel, *spec.args;
+- acquire: KEYS = spec.keys, ARGV = token, ttl_ms, 'try'|'wait', channel, tag, *spec.args;
   returns {1, fence} granted, {0, pttl} queued, {-1, pttl} busy and not queued.
-- release: KEYS = spec.keys, ARGV = token, ttl_ms, channel, *spec.args; withdraws the
+- release: KEYS = spec.keys, ARGV = token, ttl_ms, channel, tag, *spec.args; withdraws the
   token whatever state it reached; returns {held, [next_token, next_fence, next_ttl]}.
+- tag names the caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's
+  tag is not published, as the caller wakes that waiter from the reply.
 - renew: KEYS = spec.renew_keys, ARGV = token, ttl_ms; returns 1 while still held.
 """
 
@@ -89,7 +91,9 @@ async def acquire(
             dirty = True
             reply = await _bounded(
                 context.run(
-                    spec.acquire, spec.keys, (token, ttl_ms, mode, spec.channel, *spec.args)
+                    spec.acquire,
+                    spec.keys,
+                    (token, ttl_ms, mode, spec.channel, context.waitqueue.tag, *spec.args),
                 ),
                 deadline,
             )
@@ -137,7 +141,8 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    reply = await context.run(spec.release, spec.keys, (token, ttl_ms, spec.channel, *spec.args))
+    args = (token, ttl_ms, spec.channel, context.waitqueue.tag, *spec.args)
+    reply = await context.run(spec.release, spec.keys, args)
     if len(reply) >= 4:
         lot = context.waitqueue.lot(spec.channel)
         if lot is not None:

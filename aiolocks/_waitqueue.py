@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -29,21 +30,17 @@ class Wake(enum.Enum):
 class Waiter:
     """One parked acquisition: its token, and what it has been told while parked."""
 
-    __slots__ = ("_future", "_recheck", "fence", "granted_at", "lot", "token", "ttl_ms")
+    __slots__ = ("_future", "_recheck", "fence", "granted_at", "lot", "member", "token", "ttl_ms")
 
-    def __init__(self, lot: Lot, token: str, ttl_ms: int) -> None:
+    def __init__(self, lot: Lot, token: str, ttl_ms: int, tag: str) -> None:
         self.lot = lot
         self.token = token
         self.ttl_ms = ttl_ms
+        self.member = f"{token}:{ttl_ms}:{tag}"  # its queue entry on the server
         self.fence: int | None = None
         self.granted_at = 0.0
         self._recheck = False
         self._future: asyncio.Future[Wake] | None = None
-
-    @property
-    def member(self) -> str:
-        """The queue member of this waiter on the server."""
-        return f"{self.token}:{self.ttl_ms}"
 
     @property
     def is_head(self) -> bool:
@@ -131,17 +128,19 @@ class Lot:
 class WaitQueue:
     """All lots of one client: park / unpark(token) / recheck / unpark_all."""
 
-    __slots__ = ("_by_token", "_lots")
+    __slots__ = ("_by_token", "_lots", "tag")
 
     def __init__(self) -> None:
         self._lots: dict[bytes, Lot] = {}
         self._by_token: dict[str, Waiter] = {}
+        # Names this client's queue entries on the server (see _prelude.lua).
+        self.tag = secrets.token_hex(4)
 
     def park(self, channel: bytes, token: str, ttl_ms: int) -> Waiter:
         lot = self._lots.get(channel)
         if lot is None:
             lot = self._lots[channel] = Lot(channel)
-        waiter = Waiter(lot, token, ttl_ms)
+        waiter = Waiter(lot, token, ttl_ms, self.tag)
         lot._waiters[token] = waiter
         self._by_token[token] = waiter
         return waiter

@@ -198,3 +198,23 @@ async def test_pubsub_connection_killed_while_waiting(r: redis.asyncio.Redis, ur
             await shared.release()
     finally:
         await waiters_client.aclose()
+
+
+async def test_hand_off_publishes_only_across_clients(r: redis.asyncio.Redis, url: str) -> None:
+    other = redis.asyncio.Redis.from_url(url)
+    try:
+        for clients, expected in (((r, r), 0), ((r, other), 10)):
+            holder = RedisMutex(clients[0], "m:publish", ttl=30)
+            waiter = RedisMutex(clients[1], "m:publish", ttl=30)
+            probe = QueueProbe(clients[1])
+            before = await command_count(r, {"publish"})
+            for _ in range(10):
+                assert await holder.acquire()
+                waiting = asyncio.create_task(waiter.acquire())
+                await probe.wait_queued(len(probe.queued) + 1)
+                await holder.release()  # hands the lock to the queued waiter
+                assert await asyncio.wait_for(waiting, 5)
+                await waiter.release()
+            assert await command_count(r, {"publish"}) - before == expected
+    finally:
+        await other.aclose()

@@ -4,7 +4,9 @@
 --   queue   LIST  of members in FIFO order
 --   waiters ZSET  member -> liveness deadline (server ms); a member whose
 --                 deadline has passed belongs to a dead process and is purged.
--- A member is "<token>:<ttl_ms>" so that whoever pops it knows the lease to grant.
+-- A member is "<token>:<ttl_ms>:<tag>": whoever pops it knows the lease to grant, and the
+-- tag names the client it waits in, so a client handing on to its own waiter (which it
+-- wakes from the script's reply) need not publish.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 
 local function now_ms()
@@ -13,8 +15,7 @@ local function now_ms()
 end
 
 local function split_member(member)
-  local sep = string.find(member, ':', 1, true)
-  return string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
+  return string.match(member, '^([^:]+):([^:]+):(.*)$')
 end
 
 -- Drop queue entries whose heartbeat deadline has passed.
@@ -44,7 +45,7 @@ local function enqueue(queue, waiters, member, deadline)
   end
 end
 
--- Pop the first queued (live) member; returns token, ttl_ms or nil.
+-- Pop the first queued (live) member; returns token, ttl_ms, tag or nil.
 local function pop_head(queue, waiters)
   local member = redis.call('LPOP', queue)
   if not member then
@@ -54,6 +55,9 @@ local function pop_head(queue, waiters)
   return split_member(member)
 end
 
-local function announce(channel, token, fence, ttl)
-  redis.call('PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
+-- Tell the new owner; skipped when it waits in the caller's own client (same tag).
+local function announce(channel, token, fence, ttl, tag, caller_tag)
+  if tag ~= caller_tag then
+    redis.call('PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
+  end
 end

@@ -4,13 +4,13 @@
 -- KEYS[3] waiters  ZSET   member -> liveness deadline (server ms)
 -- KEYS[4] fence    STRING fencing counter, INCR on every grant
 -- ARGV[1] token    ARGV[2] ttl_ms    ARGV[3] 'wait' to queue when busy, 'try' not to
--- ARGV[4] channel  where grants are announced
+-- ARGV[4] channel  where grants are announced   ARGV[5] tag of the caller's client
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
 --         {0, pttl} when queued behind a holder with pttl ms of lease left,
 --         {-1, pttl} when busy and the caller did not queue.
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local token, ttl, mode, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local member = token .. ':' .. ttl
+local token, ttl, mode, channel, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local member = token .. ':' .. ttl .. ':' .. tag
 
 local current = redis.call('GET', owner)
 if current == token then
@@ -37,7 +37,7 @@ if not current then
   -- Free while others wait ahead (the holder's lease ran out): hand it to the head.
   local next_token, next_ttl = pop_head(queue, waiters)
   redis.call('SET', owner, next_token, 'PX', next_ttl)
-  announce(channel, next_token, redis.call('INCR', fence_key), next_ttl)
+  announce(channel, next_token, redis.call('INCR', fence_key), next_ttl, nil, tag)
 end
 
 if mode == 'wait' then

@@ -1,14 +1,14 @@
 -- Release the caller's holding, or withdraw it from the queue; hand the mutex on.
 -- Also the cancellation clean-up: whatever state the token reached, it leaves none.
 -- KEYS[1] owner  KEYS[2] queue  KEYS[3] waiters  KEYS[4] fence
--- ARGV[1] token  ARGV[2] ttl_ms  ARGV[3] channel
+-- ARGV[1] token  ARGV[2] ttl_ms  ARGV[3] channel  ARGV[4] tag of the caller's client
 -- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
 -- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head.
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local token, ttl, channel = ARGV[1], ARGV[2], ARGV[3]
+local token, ttl, channel, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
-dequeue(queue, waiters, token .. ':' .. ttl)
+dequeue(queue, waiters, token .. ':' .. ttl .. ':' .. tag)
 local current = redis.call('GET', owner)
 local status = 0
 if current == token then
@@ -24,7 +24,7 @@ if redis.call('LLEN', queue) == 0 then
   return {status}
 end
 purge_dead(queue, waiters, now_ms())
-local next_token, next_ttl = pop_head(queue, waiters)
+local next_token, next_ttl, next_tag = pop_head(queue, waiters)
 if not next_token then
   if status == 1 then
     redis.call('DEL', owner)
@@ -33,5 +33,5 @@ if not next_token then
 end
 redis.call('SET', owner, next_token, 'PX', next_ttl)
 local fence = redis.call('INCR', fence_key)
-announce(channel, next_token, fence, next_ttl)
+announce(channel, next_token, fence, next_ttl, next_tag, tag)
 return {status, next_token, fence, next_ttl}
