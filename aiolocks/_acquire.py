@@ -123,7 +123,7 @@ async def acquire(
                 return Grant(token, waiter.fence, waiter.granted_at)
             if wake is Wake.DEADLINE:
                 return None
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         return None  # `_bounded` ran out of time while Redis was slow: same as the deadline
     finally:
         if waiter is not None:
