@@ -4,12 +4,16 @@ A primitive supplies a `Spec` (its keys and scripts); this module does the waiti
 subscription, heartbeats and the cancellation clean-up, so no primitive re-implements
 them. Script conventions (see `_scripts/*.lua`):
 
-- acquire: KEYS = spec.keys, ARGV = token, ttl_ms, 'try'|'wait', channel, tag, *spec.args;
-  returns {1, fence} granted, {0, pttl} queued, {-1, pttl} busy and not queued.
-- release: KEYS = spec.keys, ARGV = token, ttl_ms, channel, tag, *spec.args; withdraws the
-  token whatever state it reached; returns {held, [next_token, next_fence, next_ttl]}.
-- tag names the caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's
-  tag is not published, as the caller wakes that waiter from the reply.
+- member = "<token>:<ttl_ms>:<tag>:<kind>", the acquisition's queue entry; tag names the
+  caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
+  published, as the caller wakes that waiter from the reply.
+- acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args; returns
+  {1, fence} granted, {0, wait_ms} queued, {-1, wait_ms} busy and not queued (wait_ms:
+  until the first lease in the way ends, -1 unknown), {-2, value} refused: the stored
+  configuration differs (e.g. a semaphore's limit), nothing changed.
+- release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
+  whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
+  with every grant it made.
 - renew: KEYS = spec.renew_keys, ARGV = token, ttl_ms; returns 1 while still held.
 """
 
@@ -34,13 +38,15 @@ T = TypeVar("T")
 # past it, the server forgets the token by itself when its ttl ends.
 CLEANUP_BOUND = 5.0
 
-GRANTED, QUEUED, BUSY = 1, 0, -1
+GRANTED, QUEUED, BUSY, REFUSED = 1, 0, -1, -2
 
 
 @dataclass(frozen=True, slots=True)
 class Spec:
     """What a primitive instance gives the engine: its keys, channel and scripts."""
 
+    name: str
+    kind: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side
     keys: tuple[bytes, ...]
     waiters_key: bytes
     channel: bytes
@@ -50,6 +56,9 @@ class Spec:
     renew: Script
     renew_keys: tuple[bytes, ...]
     args: tuple[Any, ...] = ()
+    # Builds the error for a REFUSED reply (given the stored value); primitives that store
+    # configuration set it.
+    refused: Callable[[int], Exception] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,7 @@ async def acquire(
     primitive on.
     """
     waiter: Waiter | None = None
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
     retained = False
     dirty = False  # the server may hold state for this token
     mode = "try"
@@ -90,17 +100,17 @@ async def acquire(
             sent_at = time.monotonic()
             dirty = True
             reply = await _bounded(
-                context.run(
-                    spec.acquire,
-                    spec.keys,
-                    (token, ttl_ms, mode, spec.channel, context.waitqueue.tag, *spec.args),
-                ),
+                context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
                 deadline,
             )
             status, value = int(reply[0]), int(reply[1])
             if status == GRANTED:
                 dirty = False
                 return Grant(token, value, sent_at)
+            if status == REFUSED:
+                dirty = False
+                assert spec.refused is not None, "a script refused without a reason"
+                raise spec.refused(value)
             if waiter is not None and waiter.fence is not None:
                 dirty = False
                 return Grant(token, waiter.fence, waiter.granted_at)
@@ -114,7 +124,7 @@ async def acquire(
                 retained = True
                 mode = "wait"
                 continue
-            # A holder key without an expiry was not set by us: wait a ttl, not a spin.
+            # Unknown (or a holder key without expiry, not set by us): wait a ttl, not a spin.
             waiter.lot.note_lease(value if value >= 0 else ttl_ms)
             wake = await waiter.sleep(deadline)
             if wake is Wake.GRANTED:
@@ -141,14 +151,20 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    args = (token, ttl_ms, spec.channel, context.waitqueue.tag, *spec.args)
-    reply = await context.run(spec.release, spec.keys, args)
-    if len(reply) >= 4:
-        lot = context.waitqueue.lot(spec.channel)
-        if lot is not None:
-            lot.note_lease(int(reply[3]))
-        context.waitqueue.unpark(_text(reply[1]), int(reply[2]))
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    reply = await context.run(spec.release, spec.keys, (member, spec.channel, *spec.args))
+    wake_granted(context, spec, reply, 1)
     return int(reply[0]) == 1
+
+
+def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: int) -> None:
+    """Wake the local waiters among the grants a script reported (token, fence, ttl triples
+    from `reply[start]` on); the others are told by pub/sub."""
+    lot = context.waitqueue.lot(spec.channel)
+    for at in range(start, len(reply) - 2, 3):
+        if lot is not None:
+            lot.note_lease(int(reply[at + 2]))
+        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]))
 
 
 async def release_surely(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
@@ -167,7 +183,7 @@ async def release_surely(context: ClientContext, spec: Spec, token: str, ttl_ms:
 
 
 def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
-    waiter = context.waitqueue.park(spec.channel, token, ttl_ms)
+    waiter = context.waitqueue.park(spec.channel, token, ttl_ms, spec.kind)
     context.keeper.watch_waiter(spec.waiters_key, waiter)
     return waiter
 

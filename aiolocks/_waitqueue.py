@@ -32,11 +32,11 @@ class Waiter:
 
     __slots__ = ("_future", "_recheck", "fence", "granted_at", "lot", "member", "token", "ttl_ms")
 
-    def __init__(self, lot: Lot, token: str, ttl_ms: int, tag: str) -> None:
+    def __init__(self, lot: Lot, token: str, ttl_ms: int, member: str) -> None:
         self.lot = lot
         self.token = token
         self.ttl_ms = ttl_ms
-        self.member = f"{token}:{ttl_ms}:{tag}"  # its queue entry on the server
+        self.member = member  # its queue entry on the server
         self.fence: int | None = None
         self.granted_at = 0.0
         self._recheck = False
@@ -136,11 +136,15 @@ class WaitQueue:
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = secrets.token_hex(4)
 
-    def park(self, channel: bytes, token: str, ttl_ms: int) -> Waiter:
+    def member(self, token: str, ttl_ms: int, kind: str) -> str:
+        """The queue entry of an acquisition made through this client (see _prelude.lua)."""
+        return f"{token}:{ttl_ms}:{self.tag}:{kind}"
+
+    def park(self, channel: bytes, token: str, ttl_ms: int, kind: str) -> Waiter:
         lot = self._lots.get(channel)
         if lot is None:
             lot = self._lots[channel] = Lot(channel)
-        waiter = Waiter(lot, token, ttl_ms, self.tag)
+        waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind))
         lot._waiters[token] = waiter
         self._by_token[token] = waiter
         return waiter

@@ -50,6 +50,8 @@ class RedisMutex(LeasedLock):
         owner = keys.key("owner")
         waiters = keys.key("waiters")
         return _acquire.Spec(
+            name=self._name,
+            kind="x",
             keys=(owner, keys.key("queue"), waiters, keys.key("fence")),
             waiters_key=waiters,
             channel=keys.key("wake"),

@@ -24,7 +24,9 @@ class QueueProbe:
             reply = await inner(*args)
             queued = isinstance(reply, list) and len(reply) == 2 and int(reply[0]) == 0
             if args[0] == "EVALSHA" and queued:
-                token = args[3 + int(args[2])]
+                member = args[3 + int(args[2])]
+                member = member.decode() if isinstance(member, bytes) else str(member)
+                token = member.split(":", 1)[0]
                 if token not in self.queued:
                     self.queued.append(token)
                     async with self._changed:

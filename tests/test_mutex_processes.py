@@ -32,6 +32,9 @@ from _servers import arun_workers
 
 from aiolocks import RedisMutex
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from _lockworker import queued_token
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,10 +46,6 @@ CRASHER = WORKERS / "mutex_crasher.py"
 LINE_TIMEOUT = 20.0  # longest wait for one expected line of a worker
 EXIT_TIMEOUT = 10.0  # longest wait for a worker to exit once it should
 SLACK = 0.25  # a waiter must get a dead holder's mutex within its ttl plus this
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class QueueWatchingRedis(redis.asyncio.Redis):
@@ -62,14 +61,10 @@ class QueueWatchingRedis(redis.asyncio.Redis):
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         execute: Callable[..., Awaitable[Any]] = super().execute_command  # untyped upstream
         reply = await execute(*args, **options)
-        if len(args) >= 3 and _text(args[0]).upper() == "EVALSHA":
-            argv = args[3 + int(args[2]) :]
-            queued = isinstance(reply, list) and len(reply) == 2 and int(reply[0]) == 0
-            if len(argv) >= 4 and _text(argv[2]) == "wait" and queued:
-                token = _text(argv[0])
-                if token not in self._seen:
-                    self._seen.add(token)
-                    self.queued.put_nowait(token)
+        token = queued_token(args, reply)
+        if token is not None and token not in self._seen:
+            self._seen.add(token)
+            self.queued.put_nowait(token)
         return reply
 
 

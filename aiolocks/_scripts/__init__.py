@@ -29,7 +29,9 @@ def _read(filename: str) -> str:
 _PRELUDE = _read("_prelude.lua")
 
 
-def load(name: str) -> Script:
-    """Build the script `name`.lua, prelude included."""
-    source = _PRELUDE + "\n" + _read(f"{name}.lua")
+def load(name: str, *libraries: str) -> Script:
+    """Build the script `name`.lua: the prelude, then `libraries` (each `_<lib>.lua`, Lua
+    shared by one primitive's scripts), then the script itself."""
+    parts = [_PRELUDE, *(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
+    source = "\n".join(parts)
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())

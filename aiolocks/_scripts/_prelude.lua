@@ -4,9 +4,10 @@
 --   queue   LIST  of members in FIFO order
 --   waiters ZSET  member -> liveness deadline (server ms); a member whose
 --                 deadline has passed belongs to a dead process and is purged.
--- A member is "<token>:<ttl_ms>:<tag>": whoever pops it knows the lease to grant, and the
--- tag names the client it waits in, so a client handing on to its own waiter (which it
--- wakes from the script's reply) need not publish.
+-- A member is "<token>:<ttl_ms>:<tag>:<kind>": whoever pops it knows the lease to grant;
+-- the tag names the client it waits in, so a client handing on to its own waiter (which
+-- it wakes from the script's reply) need not publish; kind is 'x' (exclusive), or 'r' /
+-- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 
 local function now_ms()
@@ -15,7 +16,8 @@ local function now_ms()
 end
 
 local function split_member(member)
-  return string.match(member, '^([^:]+):([^:]+):(.*)$')
+  local token, ttl, tag, kind = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
+  return token, ttl, tag, kind
 end
 
 -- Drop queue entries whose heartbeat deadline has passed.
@@ -45,7 +47,7 @@ local function enqueue(queue, waiters, member, deadline)
   end
 end
 
--- Pop the first queued (live) member; returns token, ttl_ms, tag or nil.
+-- Pop the first queued (live) member; returns token, ttl_ms, tag, kind or nil.
 local function pop_head(queue, waiters)
   local member = redis.call('LPOP', queue)
   if not member then
@@ -60,4 +62,37 @@ local function announce(channel, token, fence, ttl, tag, caller_tag)
   if tag ~= caller_tag then
     redis.call('PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
   end
+end
+
+-- Record a grant for the reply: {..., token, fence, ttl} (the caller wakes local waiters).
+local function note_grant(grants, token, fence, ttl)
+  grants[#grants + 1] = token
+  grants[#grants + 1] = fence
+  grants[#grants + 1] = tonumber(ttl)
+end
+
+-- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash.
+local function hold_in_set(holders, fences, fence_key, token, ttl, now)
+  redis.call('ZADD', holders, now + tonumber(ttl), token)
+  local fence = redis.call('INCR', fence_key)
+  redis.call('HSET', fences, token, fence)
+  return fence
+end
+
+-- Drop holders of a sorted set whose lease has ended.
+local function purge_expired(holders, fences, now)
+  local gone = redis.call('ZRANGEBYSCORE', holders, '-inf', '(' .. now)
+  if #gone > 0 then
+    redis.call('ZREMRANGEBYSCORE', holders, '-inf', '(' .. now)
+    redis.call('HDEL', fences, unpack(gone))
+  end
+end
+
+-- Milliseconds until the first lease of a sorted set ends (a waiter's safety-net timer).
+local function first_expiry(holders, now)
+  local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
+  if #first == 0 then
+    return -1
+  end
+  return math.max(0, tonumber(first[2]) - now)
 end

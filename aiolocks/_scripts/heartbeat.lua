@@ -1,6 +1,6 @@
 -- Keep one process's queue entries of one primitive alive.
 -- KEYS[1] waiters  ZSET member -> liveness deadline (server ms)
--- ARGV    members, each "<token>:<ttl_ms>:<tag>"; each gets deadline now + its ttl
+-- ARGV    members, each "<token>:<ttl_ms>:<tag>:<kind>"; each gets deadline now + its ttl
 -- Returns the 1-based indexes of members that were no longer queued (purged as dead);
 -- their waiters must re-run acquire to queue again.
 local now = now_ms()

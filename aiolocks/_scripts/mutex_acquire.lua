@@ -3,14 +3,14 @@
 -- KEYS[2] queue    LIST   waiting members, FIFO
 -- KEYS[3] waiters  ZSET   member -> liveness deadline (server ms)
 -- KEYS[4] fence    STRING fencing counter, INCR on every grant
--- ARGV[1] token    ARGV[2] ttl_ms    ARGV[3] 'wait' to queue when busy, 'try' not to
--- ARGV[4] channel  where grants are announced   ARGV[5] tag of the caller's client
+-- ARGV[1] member   "<token>:<ttl_ms>:<tag>:x" (see _prelude.lua)
+-- ARGV[2] 'wait' to queue when busy, 'try' not to    ARGV[3] channel for grants
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
 --         {0, pttl} when queued behind a holder with pttl ms of lease left,
 --         {-1, pttl} when busy and the caller did not queue.
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local token, ttl, mode, channel, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local member = token .. ':' .. ttl .. ':' .. tag
+local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
+local token, ttl, tag = split_member(member)
 
 local current = redis.call('GET', owner)
 if current == token then

@@ -1,14 +1,15 @@
 -- Release the caller's holding, or withdraw it from the queue; hand the mutex on.
 -- Also the cancellation clean-up: whatever state the token reached, it leaves none.
 -- KEYS[1] owner  KEYS[2] queue  KEYS[3] waiters  KEYS[4] fence
--- ARGV[1] token  ARGV[2] ttl_ms  ARGV[3] channel  ARGV[4] tag of the caller's client
+-- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] channel
 -- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
 -- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head.
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local token, ttl, channel, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local member, channel = ARGV[1], ARGV[2]
+local token, _, tag = split_member(member)
 
-dequeue(queue, waiters, token .. ':' .. ttl .. ':' .. tag)
+dequeue(queue, waiters, member)
 local current = redis.call('GET', owner)
 local status = 0
 if current == token then

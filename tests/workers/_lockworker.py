@@ -35,19 +35,20 @@ def _text(value: object) -> str:
 def queued_token(args: tuple[Any, ...], reply: Any) -> str | None:
     """The token of an aiolocks acquire-script call that put its caller on the server's queue.
 
-    The acquire script is called as ``EVALSHA sha numkeys *keys token ttl_ms mode channel``
-    and answers ``{0, pttl}`` when, in mode ``wait``, it queued the caller (see
+    The acquire script is called as ``EVALSHA sha numkeys *keys member mode channel ...``
+    (member = ``token:ttl_ms:tag:kind``) and answers ``{0, wait_ms}`` when, in mode
+    ``wait``, it queued the caller (see
     ``aiolocks/_acquire.py``). The reply arrives only after the script ran, so the caller
     is on the server's queue from then on.
     """
     if len(args) < 3 or _text(args[0]).upper() != "EVALSHA":
         return None
     argv = args[3 + int(args[2]) :]
-    if len(argv) < 4 or _text(argv[2]) != "wait":
+    if len(argv) < 3 or _text(argv[1]) != "wait":
         return None
     if not isinstance(reply, list) or len(reply) != 2 or int(reply[0]) != 0:
         return None
-    return _text(argv[0])
+    return _text(argv[0]).split(":", 1)[0]
 
 
 _reported: set[str] = set()
