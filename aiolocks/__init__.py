@@ -5,6 +5,7 @@ with loss reported to the holder, a fencing token for every acquisition, and cle
 on cancellation at every await.
 """
 
+from ._errors import LimitMismatch as LimitMismatch
 from ._errors import LockError as LockError
 from ._errors import LockLost as LockLost
 from ._errors import LockNotOwned as LockNotOwned
@@ -14,8 +15,15 @@ from ._errors import ServerUnavailable as ServerUnavailable
 from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
+from .rwlock import ReadLock as ReadLock
+from .rwlock import RedisReadWriteLock as RedisReadWriteLock
+from .rwlock import RWLockInfo as RWLockInfo
+from .rwlock import WriteLock as WriteLock
+from .semaphore import RedisSemaphore as RedisSemaphore
+from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
+    "LimitMismatch",
     "LockError",
     "LockLost",
     "LockNotOwned",
@@ -23,8 +31,14 @@ __all__ = (
     "LockStatistics",
     "LockTimeout",
     "MutexInfo",
+    "RWLockInfo",
+    "ReadLock",
     "RedisMutex",
+    "RedisReadWriteLock",
+    "RedisSemaphore",
+    "SemaphoreInfo",
     "ServerUnavailable",
+    "WriteLock",
 )
 
 for _name in __all__:

@@ -104,6 +104,8 @@ async def acquire(
                 deadline,
             )
             status, value = int(reply[0]), int(reply[1])
+            if len(reply) > 2:
+                wake_granted(context, spec, reply, 2)  # others it let in, maybe local
             if status == GRANTED:
                 dirty = False
                 return Grant(token, value, sent_at)

@@ -18,6 +18,7 @@ __all__ = [
     "LockNotOwned",
     "LockReentry",
     "LockTimeout",
+    "LimitMismatch",
     "ServerUnavailable",
     "map_redis_errors",
 ]
@@ -51,6 +52,10 @@ class LockLost(LockError):
 
 class LockReentry(LockError):
     """The calling task tried to acquire a non-reentrant primitive it already holds."""
+
+
+class LimitMismatch(LockError, ValueError):
+    """The name is stored with another configuration (a semaphore's limit) than given."""
 
 
 class ServerUnavailable(LockError):

@@ -147,12 +147,13 @@ class LeasedLock:
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
         task = _current_task()
-        if task in self._holdings:
-            raise LockReentry(
-                self._name,
-                "the current task already holds it (not reentrant)",
-                token=self._holdings[task].token,
-            )
+        held = self._holdings.get(task)
+        reason = "the current task already holds it (not reentrant)"
+        if held is None:
+            held = self._held_elsewhere(task)
+            reason = "the current task holds the other side (that would deadlock)"
+        if held is not None:
+            raise LockReentry(self._name, reason, token=held.token)
         context = context_for(self._client)
         token = secrets.token_hex(16)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -205,6 +206,11 @@ class LeasedLock:
             holding.lost_reason = "it was no longer held when released"
             holding.lost.set()
             raise self._lost_error(holding)
+
+    def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
+        """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
+        side of a read-write lock); none by default."""
+        return None
 
     def _take_holding(self) -> Holding:
         task = _current_task()

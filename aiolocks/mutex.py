@@ -15,7 +15,7 @@ __all__ = ["MutexInfo", "RedisMutex"]
 
 _ACQUIRE = load("mutex_acquire")
 _RELEASE = load("mutex_release")
-_RENEW = load("mutex_renew")
+_RENEW = load("renew_owner")
 
 
 @dataclass(frozen=True, slots=True)

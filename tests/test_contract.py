@@ -1,7 +1,6 @@
 """The lock contract every exclusive primitive must keep, run over each of them.
 
-Today: RedisMutex. The semaphore with limit=1 and the write side of the read-write lock
-join this parametrization when they exist.
+Run over RedisMutex, RedisSemaphore with limit=1 and the write side of RedisReadWriteLock.
 """
 
 from __future__ import annotations
@@ -14,12 +13,22 @@ import pytest
 import redis.asyncio
 from conftest import Backend
 
-from aiolocks import LockError, LockNotOwned, LockReentry, LockTimeout, RedisMutex
+from aiolocks import (
+    LockError,
+    LockNotOwned,
+    LockReentry,
+    LockTimeout,
+    RedisMutex,
+    RedisReadWriteLock,
+    RedisSemaphore,
+)
 
 LockFactory = Callable[..., Any]
 
 FACTORIES: dict[str, LockFactory] = {
     "mutex": lambda client, name, **kw: RedisMutex(client, name, **kw),
+    "semaphore1": lambda client, name, **kw: RedisSemaphore(client, name, limit=1, **kw),
+    "rw-write": lambda client, name, **kw: RedisReadWriteLock(client, name, **kw).write(),
 }
 
 
@@ -98,8 +107,7 @@ async def test_shared_instance_behaves_like_asyncio_lock(
             inside += 1
             most_inside = max(most_inside, inside)
             fences.append(lock.fencing_token)
-            info = await lock.inspect()
-            owners.add(info.owner)
+            owners.add(lock._current().token)  # the holding's own token
             await asyncio.sleep(0)
             inside -= 1
 

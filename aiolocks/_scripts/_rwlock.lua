@@ -1,0 +1,62 @@
+-- Shared by the read-write lock scripts. Keys: writer STRING (token, lease as PX),
+-- readers ZSET (token -> lease deadline), queue, waiters, fence, fences HASH (reader -> fence).
+-- Queue members are of kind 'r' or 'w'. The writer's fence is the counter itself: no
+-- reader is granted (no INCR) while a writer holds.
+
+local function rw_keys()
+  return {writer = KEYS[1], readers = KEYS[2], queue = KEYS[3], waiters = KEYS[4],
+          fence = KEYS[5], fences = KEYS[6]}
+end
+
+local function grant_writer(k, token, ttl)
+  redis.call('SET', k.writer, token, 'PX', ttl)
+  return redis.call('INCR', k.fence)
+end
+
+-- Let in, in queue order, what can enter: a writer alone when nobody holds, or every
+-- reader up to the next queued writer while no writer holds. Grants go to `grants`.
+local function rw_fill(k, channel, caller_tag, now, grants)
+  while redis.call('EXISTS', k.writer) == 0 do
+    local head = redis.call('LINDEX', k.queue, 0)
+    if not head then
+      return
+    end
+    local _, _, _, kind = split_member(head)
+    if kind == 'w' and redis.call('ZCARD', k.readers) > 0 then
+      return
+    end
+    local token, ttl, tag = pop_head(k.queue, k.waiters)
+    local fence
+    if kind == 'w' then
+      fence = grant_writer(k, token, ttl)
+    else
+      fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
+    end
+    announce(channel, token, fence, ttl, tag, caller_tag)
+    note_grant(grants, token, fence, ttl)
+  end
+end
+
+-- The caller's fence if it holds its side now, else nil.
+local function rw_held(k, token, kind, now)
+  if kind == 'w' then
+    if redis.call('GET', k.writer) == token then
+      return tonumber(redis.call('GET', k.fence))
+    end
+    return nil
+  end
+  local deadline = redis.call('ZSCORE', k.readers, token)
+  if deadline and tonumber(deadline) >= now then
+    return tonumber(redis.call('HGET', k.fences, token))
+  end
+  return nil
+end
+
+-- Milliseconds until the first lease in the way ends (-1: unknown).
+local function rw_wait_ms(k, now)
+  local pttl = redis.call('PTTL', k.writer)
+  if pttl >= 0 then
+    return pttl
+  end
+  return first_expiry(k.readers, now)
+end

@@ -1,0 +1,31 @@
+-- Release the caller's side, or withdraw it from the queue; let in what can enter next.
+-- Also the cancellation clean-up: whatever state the token reached, it leaves none.
+-- KEYS as rwlock_acquire.   ARGV[1] member   ARGV[2] channel
+-- Returns {held, grants...}: held 1 if the caller held a live lease of its side.
+local k = rw_keys()
+local member, channel = ARGV[1], ARGV[2]
+local token, _, tag, kind = split_member(member)
+local now = now_ms()
+
+dequeue(k.queue, k.waiters, member)
+local held = 0
+if kind == 'w' then
+  if redis.call('GET', k.writer) == token then
+    redis.call('DEL', k.writer)
+    held = 1
+  end
+else
+  local deadline = redis.call('ZSCORE', k.readers, token)
+  if deadline then
+    redis.call('ZREM', k.readers, token)
+    redis.call('HDEL', k.fences, token)
+    if tonumber(deadline) >= now then
+      held = 1
+    end
+  end
+end
+purge_expired(k.readers, k.fences, now)
+purge_dead(k.queue, k.waiters, now)
+local grants = {}
+rw_fill(k, channel, tag, now, grants)
+return {held, unpack(grants)}

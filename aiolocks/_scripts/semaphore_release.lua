@@ -1,0 +1,25 @@
+-- Give back the caller's permit, or withdraw it from the queue; hand free permits on.
+-- Also the cancellation clean-up: whatever state the token reached, it leaves none.
+-- KEYS as semaphore_acquire.   ARGV[1] member   ARGV[2] channel   ARGV[3] the caller's limit
+-- Returns {held, grants...}: held 1 if the caller held a live permit; grants: token,
+-- fence, ttl of each waiter given a permit.
+local k = sem_keys()
+local member, channel = ARGV[1], ARGV[2]
+local token, _, tag = split_member(member)
+local now = now_ms()
+
+dequeue(k.queue, k.waiters, member)
+local held = 0
+local deadline = redis.call('ZSCORE', k.holders, token)
+if deadline then
+  redis.call('ZREM', k.holders, token)
+  redis.call('HDEL', k.fences, token)
+  if tonumber(deadline) >= now then
+    held = 1
+  end
+end
+purge_expired(k.holders, k.fences, now)
+purge_dead(k.queue, k.waiters, now)
+local grants = {}
+sem_fill(k, tonumber(redis.call('GET', k.limit) or ARGV[3]), channel, tag, now, grants)
+return {held, unpack(grants)}

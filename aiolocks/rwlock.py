@@ -1,0 +1,168 @@
+"""`RedisReadWriteLock`: many readers or one writer, fair (no writer starvation), on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, final
+
+import redis.asyncio
+
+from . import _acquire
+from ._context import context_for
+from ._errors import map_redis_errors
+from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._keys import DEFAULT_PREFIX, KeySpace
+from ._scripts import Script, load
+
+__all__ = ["RWLockInfo", "ReadLock", "RedisReadWriteLock", "WriteLock"]
+
+_ACQUIRE = load("rwlock_acquire", "rwlock")
+_RELEASE = load("rwlock_release", "rwlock")
+_INSPECT = load("rwlock_inspect")
+_RENEW_READER = load("renew_member")
+_RENEW_WRITER = load("renew_owner")
+
+
+@dataclass(frozen=True, slots=True)
+class RWLockInfo:
+    """What the server says about a read-write lock (from `inspect()`)."""
+
+    name: str
+    writer: str | None  # token of the writer holding it
+    readers: int  # live readers
+    queue_length: int  # waiters queued, readers and writers
+    fence: int  # the last fencing token handed out (0: never acquired)
+
+
+class _Side(LeasedLock):
+    """One side of a `RedisReadWriteLock`; its keys are the lock's."""
+
+    _kind = "rwlock"
+    _side = "x"
+    _renew: Script
+
+    def __init__(self, owner: RedisReadWriteLock, **options: Any) -> None:
+        self._owner = owner
+        super().__init__(owner._client, owner.name, **options)
+
+    def _make_spec(self) -> _acquire.Spec:
+        keys = KeySpace(self._prefix, self._kind, self._name)
+        writer, readers = keys.key("writer"), keys.key("readers")
+        waiters = keys.key("waiters")
+        return _acquire.Spec(
+            name=self._name,
+            kind=self._side,
+            keys=(
+                writer,
+                readers,
+                keys.key("queue"),
+                waiters,
+                keys.key("fence"),
+                keys.key("fences"),
+            ),
+            waiters_key=waiters,
+            channel=keys.key("wake"),
+            watch_key=writer,
+            acquire=_ACQUIRE,
+            release=_RELEASE,
+            renew=self._renew,
+            renew_keys=(writer if self._side == "w" else readers,),
+        )
+
+    def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
+        other = self._owner._write if self._side == "r" else self._owner._read
+        return other._holdings.get(task)
+
+    async def inspect(self) -> RWLockInfo:
+        """The server's view of the whole lock (both sides)."""
+        return await self._owner.inspect()
+
+
+@final
+class ReadLock(_Side):
+    """The read side of a `RedisReadWriteLock`: held by many tasks at once, never with a
+    writer. Shareable by many tasks like `RedisMutex`; each acquisition is its own lease."""
+
+    _side = "r"
+    _renew = _RENEW_READER
+
+    async def locked(self) -> bool:
+        """True when a reader could not enter now because a writer holds it (asks Redis)."""
+        return (await self._owner.inspect()).writer is not None
+
+
+@final
+class WriteLock(_Side):
+    """The write side of a `RedisReadWriteLock`: one writer, no readers. Shareable by many
+    tasks like `RedisMutex`."""
+
+    _side = "w"
+    _renew = _RENEW_WRITER
+
+    async def locked(self) -> bool:
+        """True when anyone, reader or writer, holds the lock (asks Redis)."""
+        info = await self._owner.inspect()
+        return info.writer is not None or info.readers > 0
+
+
+@final
+class RedisReadWriteLock:
+    """A distributed read-write lock: many readers at once, or one writer alone.
+
+    Fair: once a writer is queued, readers that arrive after it wait behind it, and when a
+    writer releases, every reader queued before the next writer enters together. Every
+    reader has its own lease, so a crashed reader blocks writers for at most its ttl.
+    Leases, fencing (one counter for both sides), lease loss and cancellation behave as for
+    `RedisMutex`. A task holding one side that asks for the other gets `LockReentry`.
+    """
+
+    __slots__ = ("_client", "_read", "_write", "name")
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        self._client = client
+        self.name = name
+        options: dict[str, Any] = {
+            "ttl": ttl,
+            "timeout": timeout,
+            "prefix": prefix,
+            "on_lost": on_lost,
+        }
+        self._read = ReadLock(self, **options)  # validates every argument
+        self._write = WriteLock(self, **options)
+
+    def read(self) -> ReadLock:
+        """The read side (the same object each call)."""
+        return self._read
+
+    def write(self) -> WriteLock:
+        """The write side (the same object each call)."""
+        return self._write
+
+    def __repr__(self) -> str:
+        return f"<RedisReadWriteLock {self.name!r}>"
+
+    async def inspect(self) -> RWLockInfo:
+        """The server's view: writer, live readers, queue length, last fence."""
+        with map_redis_errors(self.name):
+            writer, readers, queue, fence = await context_for(self._read._client).run(
+                _INSPECT, self._read._spec.keys, ()
+            )
+        if isinstance(writer, bytes):
+            writer = writer.decode()
+        return RWLockInfo(
+            name=self.name,
+            writer=writer,
+            readers=int(readers),
+            queue_length=int(queue),
+            fence=int(fence),
+        )

@@ -1,0 +1,154 @@
+"""`RedisSemaphore`: a FIFO, lease-renewed, fenced counting semaphore on Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, final
+
+import redis.asyncio
+
+from . import _acquire
+from ._context import context_for
+from ._errors import LimitMismatch, map_redis_errors
+from ._holding import DEFAULT_TTL, LeasedLock, LostCallback
+from ._keys import DEFAULT_PREFIX, KeySpace
+from ._scripts import load
+
+__all__ = ["RedisSemaphore", "SemaphoreInfo"]
+
+_ACQUIRE = load("semaphore_acquire", "semaphore")
+_RELEASE = load("semaphore_release", "semaphore")
+_SET_LIMIT = load("semaphore_set_limit", "semaphore")
+_INSPECT = load("semaphore_inspect")
+_RENEW = load("renew_member")
+
+
+@dataclass(frozen=True, slots=True)
+class SemaphoreInfo:
+    """What the server says about a semaphore (from `RedisSemaphore.inspect()`)."""
+
+    name: str
+    limit: int | None  # the stored limit (None: never used)
+    holders: int  # live holders
+    queue_length: int  # waiters queued (live or not yet purged)
+    fence: int  # the last fencing token handed out (0: never acquired)
+
+
+def _validate_limit(limit: object) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    return limit
+
+
+@final
+class RedisSemaphore(LeasedLock):
+    """A distributed counting semaphore: at most `limit` holders at a time, across processes.
+
+    - Each holding is its own lease (own token, own fence, renewed in the background); a
+      crashed holder's permit comes back when its lease ends.
+    - Fair: waiters get permits in the order they queued; a release hands its permit
+      straight to the first live waiter, and permits freed at once wake that many waiters.
+    - The limit is stored with the name. Using the name with another limit raises
+      `LimitMismatch` (nothing changes); `set_limit()` changes it on purpose.
+    - Not reentrant per task: a task that holds a permit of this instance gets
+      `LockReentry` if it asks for another through the same instance.
+    """
+
+    _kind = "semaphore"
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        name: str,
+        *,
+        limit: int,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        self._limit = _validate_limit(limit)
+        super().__init__(client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def _make_spec(self) -> _acquire.Spec:
+        keys = KeySpace(self._prefix, self._kind, self._name)
+        holders = keys.key("holders")
+        waiters = keys.key("waiters")
+        return _acquire.Spec(
+            name=self._name,
+            kind="x",
+            keys=(
+                holders,
+                keys.key("queue"),
+                waiters,
+                keys.key("fence"),
+                keys.key("fences"),
+                keys.key("limit"),
+            ),
+            waiters_key=waiters,
+            channel=keys.key("wake"),
+            watch_key=None,
+            acquire=_ACQUIRE,
+            release=_RELEASE,
+            renew=_RENEW,
+            renew_keys=(holders,),
+            args=(self._limit,),
+            refused=self._mismatch,
+        )
+
+    def _mismatch(self, stored: int) -> LimitMismatch:
+        return LimitMismatch(
+            self._name,
+            f"stored with limit {stored}, used here with limit {self._limit}; "
+            "use set_limit() to change it on purpose",
+        )
+
+    async def _view(self) -> list[Any]:
+        with map_redis_errors(self._name):
+            reply: list[Any] = await context_for(self._client).run(_INSPECT, self._spec.keys, ())
+        return reply
+
+    async def inspect(self) -> SemaphoreInfo:
+        """The server's view: stored limit, live holders, queue length, last fence."""
+        limit, holders, queue, fence = await self._view()
+        return SemaphoreInfo(
+            name=self._name,
+            limit=None if int(limit) < 0 else int(limit),
+            holders=int(holders),
+            queue_length=int(queue),
+            fence=int(fence),
+        )
+
+    async def holders(self) -> int:
+        """How many permits are held right now (asks Redis)."""
+        return (await self.inspect()).holders
+
+    async def available(self) -> int:
+        """How many permits are free right now (asks Redis)."""
+        info = await self.inspect()
+        return max(0, (info.limit or self._limit) - info.holders)
+
+    async def locked(self) -> bool:
+        """True when no permit is free (asks Redis)."""
+        return await self.available() == 0
+
+    async def set_limit(self, limit: int) -> None:
+        """Store a new limit for the name; a higher one gives the new permits to waiters.
+
+        Lowering it takes no permit away: holders keep theirs until they release.
+        Other instances still using the old limit get `LimitMismatch` on their next acquire.
+        """
+        limit = _validate_limit(limit)
+        context = context_for(self._client)
+        args = (limit, self._spec.channel, context.waitqueue.tag)
+        with map_redis_errors(self._name):
+            reply = await context.run(_SET_LIMIT, self._spec.keys, args)
+        self._limit = limit
+        self._spec = self._make_spec()
+        _acquire.wake_granted(context, self._spec, reply, 1)
