@@ -39,6 +39,7 @@ def bench(session: nox.Session) -> None:
     """The mutex benchmark: `nox -s bench -- <benchmark options>`."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
+    session.run("python", "benchmarks/bench_primitives.py")
 
 
 @nox.session
