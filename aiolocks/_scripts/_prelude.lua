@@ -79,6 +79,20 @@ local function hold_in_set(holders, fences, fence_key, token, ttl, now)
   return fence
 end
 
+-- Remove a holder from a sorted set of leases; 1 if its lease was still live, else 0.
+local function release_from_set(holders, fences, token, now)
+  local deadline = redis.call('ZSCORE', holders, token)
+  if not deadline then
+    return 0
+  end
+  redis.call('ZREM', holders, token)
+  redis.call('HDEL', fences, token)
+  if tonumber(deadline) >= now then
+    return 1
+  end
+  return 0
+end
+
 -- Drop holders of a sorted set whose lease has ended.
 local function purge_expired(holders, fences, now)
   local gone = redis.call('ZRANGEBYSCORE', holders, '-inf', '(' .. now)

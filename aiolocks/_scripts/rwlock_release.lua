@@ -15,14 +15,7 @@ if kind == 'w' then
     held = 1
   end
 else
-  local deadline = redis.call('ZSCORE', k.readers, token)
-  if deadline then
-    redis.call('ZREM', k.readers, token)
-    redis.call('HDEL', k.fences, token)
-    if tonumber(deadline) >= now then
-      held = 1
-    end
-  end
+  held = release_from_set(k.readers, k.fences, token, now)
 end
 purge_expired(k.readers, k.fences, now)
 purge_dead(k.queue, k.waiters, now)

@@ -9,15 +9,7 @@ local token, _, tag = split_member(member)
 local now = now_ms()
 
 dequeue(k.queue, k.waiters, member)
-local held = 0
-local deadline = redis.call('ZSCORE', k.holders, token)
-if deadline then
-  redis.call('ZREM', k.holders, token)
-  redis.call('HDEL', k.fences, token)
-  if tonumber(deadline) >= now then
-    held = 1
-  end
-end
+local held = release_from_set(k.holders, k.fences, token, now)
 purge_expired(k.holders, k.fences, now)
 purge_dead(k.queue, k.waiters, now)
 local grants = {}
