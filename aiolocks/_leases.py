@@ -91,7 +91,6 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._sleeper: asyncio.Future[None] | None = None
         self._wake_at = float("inf")
-        self.renewals = 0  # renewal calls made (for statistics and tests)
 
     # -- registration ------------------------------------------------------------------
 
@@ -185,7 +184,6 @@ class LeaseKeeper:
                 return  # shutting down: a dropped socket raced the cancellation
             log.debug("aiolocks: renewal failed: %r", exc)
             results = [exc] * len(calls)
-        self.renewals += len(leases)
         for lease, result in zip(leases, results[: len(leases)], strict=True):
             self._settle_lease(lease, result, sent_at)
         for group, waiters, result in zip(groups, members, results[len(leases) :], strict=True):

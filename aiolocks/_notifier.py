@@ -59,7 +59,6 @@ class Notifier:
         self._lock = asyncio.Lock()
         self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
         self._keyspace_enabled: asyncio.Future[bool] | None = None
-        self.reconnects = 0  # how many times the subscription was re-established
         self._saved_retry: tuple[Any, Any] | None = None
 
     def watching(self, wake: bytes) -> bool:
@@ -155,7 +154,7 @@ class Notifier:
             if self._pubsub is None:
                 self._pubsub = self._client.pubsub()
             await self._pubsub.subscribe(*names)
-            self._watch_connection()
+            self._own_reconnects()
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.get_running_loop().create_task(
                     self._read(), name="aiolocks-notifier"
@@ -169,11 +168,10 @@ class Notifier:
                 with contextlib.suppress(redis.exceptions.RedisError, OSError):
                     await self._pubsub.unsubscribe(*names)
 
-    def _watch_connection(self) -> None:
+    def _own_reconnects(self) -> None:
         connection = self._pubsub.connection
         if connection is None:
             return
-        connection.register_connect_callback(self._on_connect)
         if self._saved_retry is None:
             # redis-py's retry re-connects inside a failed read (even after the client was
             # closed, and even while the loop shuts down, orphaning the new socket). The
@@ -181,11 +179,6 @@ class Notifier:
             # it untouched. The client's policy is put back when the connection goes back.
             self._saved_retry = (connection, connection.retry)
             connection.retry = _Once()
-
-    async def _on_connect(self, connection: Any) -> None:
-        # redis-py re-subscribes by itself (its own callback runs first); each channel is
-        # re-confirmed, and `_dispatch` tells its waiters to re-check.
-        self.reconnects += 1
 
     async def _read(self) -> None:
         delay = _RETRY_MIN

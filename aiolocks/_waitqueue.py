@@ -42,10 +42,6 @@ class Waiter:
         self._recheck = False
         self._future: asyncio.Future[Wake] | None = None
 
-    @property
-    def is_head(self) -> bool:
-        return self.lot.head() is self
-
     def grant(self, fence: int) -> None:
         if self.fence is None:
             self.fence = fence
@@ -188,9 +184,6 @@ class WaitQueue:
         for lot in lots:
             for waiter in lot:
                 waiter.recheck()
-
-    def waiters(self) -> Iterator[Waiter]:
-        return iter(list(self._by_token.values()))
 
     def __len__(self) -> int:
         return len(self._by_token)
