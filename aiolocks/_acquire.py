@@ -110,7 +110,7 @@ async def acquire(
                 dirty = False
                 return Grant(token, value, sent_at)
             if status == REFUSED:
-                dirty = False
+                dirty = mode == "wait"  # refused now, but an earlier call may have queued it
                 assert spec.refused is not None, "a script refused without a reason"
                 raise spec.refused(value)
             if waiter is not None and waiter.fence is not None:

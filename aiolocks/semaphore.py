@@ -141,8 +141,9 @@ class RedisSemaphore(LeasedLock):
     async def set_limit(self, limit: int) -> None:
         """Store a new limit for the name; a higher one gives the new permits to waiters.
 
-        Lowering it takes no permit away: holders keep theirs until they release.
-        Other instances still using the old limit get `LimitMismatch` on their next acquire.
+        Lowering it takes no permit away: holders keep theirs until they release. Waiters
+        already queued keep waiting under the new limit; new acquisitions through instances
+        still configured with the old limit get `LimitMismatch`.
         """
         limit = _validate_limit(limit)
         context = context_for(self._client)

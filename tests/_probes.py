@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio
 
 from aiolocks._context import ClientContext, context_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from _lockworker import queued_token
 
 
 class QueueProbe:
@@ -22,15 +27,11 @@ class QueueProbe:
 
         async def execute(*args: Any) -> Any:
             reply = await inner(*args)
-            queued = isinstance(reply, list) and len(reply) == 2 and int(reply[0]) == 0
-            if args[0] == "EVALSHA" and queued:
-                member = args[3 + int(args[2])]
-                member = member.decode() if isinstance(member, bytes) else str(member)
-                token = member.split(":", 1)[0]
-                if token not in self.queued:
-                    self.queued.append(token)
-                    async with self._changed:
-                        self._changed.notify_all()
+            token = queued_token(args, reply)
+            if token is not None and token not in self.queued:
+                self.queued.append(token)
+                async with self._changed:
+                    self._changed.notify_all()
             return reply
 
         self.context._execute = execute

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import redis.asyncio
@@ -67,7 +68,11 @@ async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend)
         for _ in range(10):
             await asyncio.gather(*(attempt(i) for i in range(50)))
 
-    await asyncio.wait_for(storm(), 90)
+    started = time.monotonic()
+    await asyncio.wait_for(storm(), 60)
+    # Well under a second when every cancelled waiter withdraws at once; an entry left
+    # queued would hold the others up for its 5 s ttl.
+    assert time.monotonic() - started < 10
     assert outcomes["acquired"] + outcomes["cancelled"] == 500
     assert outcomes["cancelled"] > 0  # the storm really cancelled mid-way
     assert outcomes["acquired"] > 0

@@ -11,9 +11,9 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -22,6 +22,8 @@ from _probes import QueueProbe
 
 from aiolocks import LockLost, LockReentry, LockTimeout, RedisReadWriteLock
 from aiolocks._context import context_for
+
+T = TypeVar("T")
 
 BOUND = 5.0  # longest wait for something that should happen at once
 SLACK = 0.25
@@ -37,17 +39,37 @@ async def r2(url: str) -> AsyncIterator[redis.asyncio.Redis]:
         await client.aclose()
 
 
-async def _queue(probe: QueueProbe, coro: Any) -> asyncio.Task[Any]:
-    """Start `coro` (an acquisition) and return once the server has queued it."""
-    task = asyncio.create_task(coro)
-    await probe.wait_queued(len(probe.queued) + 1, BOUND)
-    return task
+class Tasks:
+    """The tasks a test starts: whatever still runs at teardown is cancelled and awaited
+    there, on the test's loop, even when the test failed half-way."""
+
+    def __init__(self) -> None:
+        self.started: list[asyncio.Task[Any]] = []
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self.started.append(task)
+        return task
+
+    async def queued(self, probe: QueueProbe, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Start `coro` (an acquisition) and return once the server has queued it."""
+        task = self.start(coro)
+        await probe.wait_queued(len(probe.queued) + 1, BOUND)
+        return task
+
+    async def reap(self) -> None:
+        for task in self.started:
+            task.cancel()
+        await asyncio.gather(*self.started, return_exceptions=True)
 
 
-async def _reap(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+@pytest.fixture
+async def tasks() -> AsyncIterator[Tasks]:
+    started = Tasks()
+    try:
+        yield started
+    finally:
+        await started.reap()
 
 
 @dataclass
@@ -129,7 +151,9 @@ async def test_bad_arguments_fail_at_construction(kwargs: dict[str, object], err
         await client.aclose()
 
 
-async def test_readers_overlap(r: redis.asyncio.Redis, r2: redis.asyncio.Redis) -> None:
+async def test_readers_overlap(
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
+) -> None:
     """6 readers on two clients are all inside at once; the server counts 6, no writer."""
     name = "rw:overlap"
     locks = [RedisReadWriteLock(client, name, ttl=10) for client in (r, r2)]
@@ -145,16 +169,13 @@ async def test_readers_overlap(r: redis.asyncio.Redis, r2: redis.asyncio.Redis) 
             await room.stay(f"R{index}")
 
     labels = {f"R{index}" for index in range(6)}
-    tasks = [asyncio.create_task(reader(index)) for index in range(6)]
-    try:
-        await room.wait_inside(labels)
-        info = await locks[0].inspect()
-        assert (info.name, info.writer, info.readers, info.queue_length) == (name, None, 6, 0)
-        assert info.fence == 6
-        room.let_go(*labels)
-        await asyncio.wait_for(asyncio.gather(*tasks), BOUND)
-    finally:
-        await _reap(*tasks)
+    readers = [tasks.start(reader(index)) for index in range(6)]
+    await room.wait_inside(labels)
+    info = await locks[0].inspect()
+    assert (info.name, info.writer, info.readers, info.queue_length) == (name, None, 6, 0)
+    assert info.fence == 6
+    room.let_go(*labels)
+    await asyncio.wait_for(asyncio.gather(*readers), BOUND)
     assert sorted(fences) == [1, 2, 3, 4, 5, 6]
     info = await locks[1].inspect()
     assert (info.writer, info.readers, info.queue_length, info.fence) == (None, 0, 0, 6)
@@ -225,7 +246,7 @@ async def test_writer_excludes_readers_and_writers(
 
 
 async def test_writer_is_not_starved_by_a_stream_of_readers(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """Readers arrive every 5 ms and hold 30 ms, so the read side is never empty. A writer
     that queues gets in after the readers already inside, while the stream goes on; every
@@ -258,13 +279,10 @@ async def test_writer_is_not_starved_by_a_stream_of_readers(
 
     async def stream() -> None:
         readers: list[asyncio.Task[None]] = []
-        try:
-            while not stop.is_set():
-                readers.append(asyncio.create_task(reader()))
-                await asyncio.sleep(0.005)
-            await asyncio.wait_for(asyncio.gather(*readers), BOUND)
-        finally:
-            await _reap(*readers)
+        while not stop.is_set():
+            readers.append(tasks.start(reader()))
+            await asyncio.sleep(0.005)
+        await asyncio.wait_for(asyncio.gather(*readers), BOUND)
 
     async def writer() -> float:
         nonlocal clock, writer_entered_at, writer_inside
@@ -279,26 +297,21 @@ async def test_writer_is_not_starved_by_a_stream_of_readers(
             writer_inside = False
         return entered
 
-    streaming = asyncio.create_task(stream())
-    writing: asyncio.Task[float] | None = None
-    try:
-        await asyncio.sleep(0.1)  # the stream is flowing: readers overlap all the time
-        assert not streaming.done()
-        writing = asyncio.create_task(writer())
-        await probe.wait_queued(1, BOUND)
-        queued_at = time.monotonic()
-        writer_queued = True
-        info = await writer_rw.inspect()
-        assert info.writer is None and info.readers >= 1, info
-        entered = await asyncio.wait_for(asyncio.shield(writing), 3.0)
-        assert not stop.is_set() and not streaming.done()  # the stream was still going
-        assert entered - queued_at < 1.0, f"writer waited {entered - queued_at:.3f}s"
-        await asyncio.sleep(0.1)  # let some more readers through after the writer
-        stop.set()
-        await asyncio.wait_for(streaming, BOUND * 2)
-    finally:
-        stop.set()
-        await _reap(streaming, *([writing] if writing is not None else []))
+    streaming = tasks.start(stream())
+    await asyncio.sleep(0.1)  # the stream is flowing: readers overlap all the time
+    assert not streaming.done()
+    writing = tasks.start(writer())
+    await probe.wait_queued(1, BOUND)
+    queued_at = time.monotonic()
+    writer_queued = True
+    info = await writer_rw.inspect()
+    assert info.writer is None and info.readers >= 1, info
+    entered = await asyncio.wait_for(asyncio.shield(writing), 3.0)
+    assert not stop.is_set() and not streaming.done()  # the stream was still going
+    assert entered - queued_at < 1.0, f"writer waited {entered - queued_at:.3f}s"
+    await asyncio.sleep(0.1)  # let some more readers through after the writer
+    stop.set()
+    await asyncio.wait_for(streaming, BOUND * 2)
     assert not violations, violations
     assert writer_entered_at is not None
     assert late_readers, "no reader arrived after the writer queued"
@@ -308,7 +321,7 @@ async def test_writer_is_not_starved_by_a_stream_of_readers(
 
 
 async def test_readers_queued_before_the_next_writer_enter_together(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """Queue R1 R2 R3 W2 R4 R5 behind a writer W1. W1 releases: R1-R3 get in together,
     W2, R4, R5 wait. R1-R3 release: W2 alone. W2 releases: R4 and R5 together."""
@@ -329,33 +342,30 @@ async def test_readers_queued_before_the_next_writer_enter_together(
 
     assert await first.write().acquire()
     order = ["R1", "R2", "R3", "W2", "R4", "R5"]
-    tasks = {label: await _queue(probe, user(label)) for label in order}
-    try:
-        info = await first.inspect()
-        assert info.writer is not None and (info.readers, info.queue_length) == (0, 6), info
-        assert not room.entered
+    users = {label: await tasks.queued(probe, user(label)) for label in order}
+    info = await first.inspect()
+    assert info.writer is not None and (info.readers, info.queue_length) == (0, 6), info
+    assert not room.entered
 
-        await first.write().release()
-        await room.wait_inside({"R1", "R2", "R3"})
-        info = await first.inspect()
-        assert (info.writer, info.readers, info.queue_length) == (None, 3, 3), info
-        assert sorted(room.entered) == ["R1", "R2", "R3"]
+    await first.write().release()
+    await room.wait_inside({"R1", "R2", "R3"})
+    info = await first.inspect()
+    assert (info.writer, info.readers, info.queue_length) == (None, 3, 3), info
+    assert sorted(room.entered) == ["R1", "R2", "R3"]
 
-        room.let_go("R1", "R2", "R3")
-        await room.wait_inside({"W2"})
-        info = await first.inspect()
-        assert info.writer is not None and (info.readers, info.queue_length) == (0, 2), info
-        assert room.inside == {"W2"}
+    room.let_go("R1", "R2", "R3")
+    await room.wait_inside({"W2"})
+    info = await first.inspect()
+    assert info.writer is not None and (info.readers, info.queue_length) == (0, 2), info
+    assert room.inside == {"W2"}
 
-        room.let_go("W2")
-        await room.wait_inside({"R4", "R5"})
-        info = await first.inspect()
-        assert (info.writer, info.readers, info.queue_length) == (None, 2, 0), info
+    room.let_go("W2")
+    await room.wait_inside({"R4", "R5"})
+    info = await first.inspect()
+    assert (info.writer, info.readers, info.queue_length) == (None, 2, 0), info
 
-        room.let_go("R4", "R5")
-        await asyncio.wait_for(asyncio.gather(*tasks.values()), BOUND)
-    finally:
-        await _reap(*tasks.values())
+    room.let_go("R4", "R5")
+    await asyncio.wait_for(asyncio.gather(*users.values()), BOUND)
     assert sorted(room.entered[:3]) == ["R1", "R2", "R3"]
     assert room.entered[3] == "W2" and sorted(room.entered[4:]) == ["R4", "R5"]
     assert max(fences[label] for label in ("R1", "R2", "R3")) < fences["W2"]
@@ -421,7 +431,7 @@ async def test_timeout_from_the_constructor(
 
 
 async def test_lost_reader_lease_frees_the_writer(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """A reader's entry vanishes from the readers set (as when its lease ran out): the
     reader's body is cancelled with LockLost within the ttl, and a queued writer gets in
@@ -434,39 +444,35 @@ async def test_lost_reader_lease_frees_the_writer(
     finished = False
     removed_at = 0.0
     writing: asyncio.Task[bool] | None = None
-    try:
-        with pytest.raises(LockLost) as info:
-            async with rw.read():
-                reader_fence = rw.read().fencing_token
-                writing = await _queue(probe, writer_rw.write().acquire(timeout=10))
-                members = await r.zrange(readers_key, 0, -1)
-                assert len(members) == 1, members
-                assert await r.zrem(readers_key, *members) == 1
-                removed_at = time.monotonic()
-                await asyncio.sleep(10)
-                finished = True
-        assert not finished
-        assert time.monotonic() - removed_at < ttl + 0.5
-        assert info.value.name == name
-        assert rw.read().statistics().held_here == 0
-        assert writing is not None
-        assert await asyncio.wait_for(writing, ttl + BOUND)
-        waited = time.monotonic() - removed_at
-        assert waited <= ttl + SLACK, f"writer waited {waited:.3f}s"
-        state = await writer_rw.inspect()
-        assert state.writer is not None and state.readers == 0
-        assert reader_fence is not None and state.fence == reader_fence + 1
-        await writer_rw.write().release()  # adopts the holding of the finished task
-    finally:
-        if writing is not None:
-            await _reap(writing)
+    with pytest.raises(LockLost) as info:
+        async with rw.read():
+            reader_fence = rw.read().fencing_token
+            writing = await tasks.queued(probe, writer_rw.write().acquire(timeout=10))
+            members = await r.zrange(readers_key, 0, -1)
+            assert len(members) == 1, members
+            assert await r.zrem(readers_key, *members) == 1
+            removed_at = time.monotonic()
+            await asyncio.sleep(10)
+            finished = True
+    assert not finished
+    assert time.monotonic() - removed_at < ttl + 0.5
+    assert info.value.name == name
+    assert rw.read().statistics().held_here == 0
+    assert writing is not None
+    assert await asyncio.wait_for(writing, ttl + BOUND)
+    waited = time.monotonic() - removed_at
+    assert waited <= ttl + SLACK, f"writer waited {waited:.3f}s"
+    state = await writer_rw.inspect()
+    assert state.writer is not None and state.readers == 0
+    assert reader_fence is not None and state.fence == reader_fence + 1
+    await writer_rw.write().release()  # adopts the holding of the finished task
 
 
 # -- fencing --------------------------------------------------------------------------------
 
 
 async def test_fences_increase_across_readers_and_writers(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """Alternating phases (3 concurrent readers, then a writer), on two clients: every
     fence of a phase is larger than every fence of the phases before it."""
@@ -485,13 +491,10 @@ async def test_fences_increase_across_readers_and_writers(
                 fences.append(fence)
                 await room.stay(f"R{index}")
 
-        tasks = [asyncio.create_task(reader(index)) for index in range(3)]
-        try:
-            await room.wait_inside({"R0", "R1", "R2"})  # concurrent readers
-            room.let_go("R0", "R1", "R2")
-            await asyncio.wait_for(asyncio.gather(*tasks), BOUND)
-        finally:
-            await _reap(*tasks)
+        readers = [tasks.start(reader(index)) for index in range(3)]
+        await room.wait_inside({"R0", "R1", "R2"})  # concurrent readers
+        room.let_go("R0", "R1", "R2")
+        await asyncio.wait_for(asyncio.gather(*readers), BOUND)
         phases.append(sorted(fences))
         writer = locks[phase % 2].write()
         async with writer:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
@@ -25,6 +25,8 @@ from aiolocks import (
     RedisSemaphore,
 )
 from aiolocks._context import context_for
+
+T = TypeVar("T")
 
 BOUND = 5.0  # longest wait for something that should happen at once
 
@@ -44,7 +46,7 @@ def _prefix(name: str) -> str:
 
 
 async def semaphore_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:
-    """Every aiolocks key of semaphore `name` with its type and full value."""
+    """Every aiolocks key of semaphore `name`: its type, full value, and whether it expires."""
     found: dict[str, Any] = {}
     async for key in client.scan_iter(match=f"{_prefix(name)}*"):
         raw_kind = await client.type(key)
@@ -63,21 +65,42 @@ async def semaphore_keys(client: redis.asyncio.Redis, name: str) -> dict[str, An
         else:
             value = None
         text = key.decode() if isinstance(key, bytes) else str(key)
-        found[text.removeprefix(_prefix(name))] = (kind, value)
+        expires = await client.pttl(key) >= 0  # whether it has an expiry, not how long
+        found[text.removeprefix(_prefix(name))] = (kind, value, expires)
     return found
 
 
-async def _queue(probe: QueueProbe, coro: Any) -> asyncio.Task[Any]:
-    """Start `coro` (an acquisition) and return once the server has queued it."""
-    task = asyncio.create_task(coro)
-    await probe.wait_queued(len(probe.queued) + 1, BOUND)
-    return task
+class Tasks:
+    """The tasks a test starts: whatever still runs at teardown is cancelled and awaited
+    there, on the test's loop, even when the test failed half-way."""
+
+    def __init__(self) -> None:
+        self.started: list[asyncio.Task[Any]] = []
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self.started.append(task)
+        return task
+
+    async def queued(self, probe: QueueProbe, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Start `coro` (an acquisition) and return once the server has queued it."""
+        task = self.start(coro)
+        await probe.wait_queued(len(probe.queued) + 1, BOUND)
+        return task
+
+    async def reap(self) -> None:
+        for task in self.started:
+            task.cancel()
+        await asyncio.gather(*self.started, return_exceptions=True)
 
 
-async def _reap(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+@pytest.fixture
+async def tasks() -> AsyncIterator[Tasks]:
+    started = Tasks()
+    try:
+        yield started
+    finally:
+        await started.reap()
 
 
 # -- the limit ----------------------------------------------------------------------------
@@ -88,7 +111,7 @@ async def test_limit_is_respected_and_reached(
 ) -> None:
     """limit=3, 12 tasks on two clients, 3 holdings each: never more than 3 inside, and 3
     inside together; every holding has its own fence."""
-    name, limit, tasks, rounds = "s:limit", 3, 12, 3
+    name, limit, workers, rounds = "s:limit", 3, 12, 3
     sems = [RedisSemaphore(client, name, limit=limit, ttl=10) for client in (r, r2)]
     inside = most = 0
     fences: list[int] = []
@@ -109,16 +132,18 @@ async def test_limit_is_respected_and_reached(
         assert mine == sorted(mine) and len(set(mine)) == rounds, mine
         fences.extend(mine)
 
-    await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(tasks))), 30)
+    await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(workers))), 30)
     assert most == limit
-    assert len(fences) == len(set(fences)) == tasks * rounds
+    assert len(fences) == len(set(fences)) == workers * rounds
     info = await sems[0].inspect()
     assert (info.name, info.limit, info.holders, info.queue_length) == (name, limit, 0, 0)
     assert info.fence == max(fences)
     assert await sems[1].available() == limit
 
 
-async def test_counts_and_inspect(r: redis.asyncio.Redis, r2: redis.asyncio.Redis) -> None:
+async def test_counts_and_inspect(
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
+) -> None:
     name = "s:counts"
     sems = [RedisSemaphore(r, name, limit=3, ttl=10) for _ in range(3)]
     assert await sems[0].available() == 3
@@ -141,33 +166,32 @@ async def test_counts_and_inspect(r: redis.asyncio.Redis, r2: redis.asyncio.Redi
     assert await other.acquire(timeout=0.1) is False
     assert time.monotonic() - started < 0.1 + 1.0
     probe = QueueProbe(r2)
-    waiting = await _queue(probe, other.acquire())
-    try:
-        info = await other.inspect()
-        assert (info.name, info.limit, info.holders, info.queue_length, info.fence) == (
-            name,
-            3,
-            3,
-            1,
-            3,
-        )
-        await sems[1].release()
-        assert await asyncio.wait_for(waiting, BOUND)  # the freed permit went to the waiter
-        assert other.fencing_token is None  # it belongs to the task that acquired
-        info = await other.inspect()
-        assert (info.holders, info.queue_length, info.fence) == (3, 0, 4)
-        assert await other.available() == 0
-        await sems[0].release()
-        await sems[2].release()
-        assert (await other.available(), await other.holders()) == (2, 1)
-    finally:
-        await _reap(waiting)
+    waiting = await tasks.queued(probe, other.acquire())
+    info = await other.inspect()
+    assert (info.name, info.limit, info.holders, info.queue_length, info.fence) == (
+        name,
+        3,
+        3,
+        1,
+        3,
+    )
+    await sems[1].release()
+    assert await asyncio.wait_for(waiting, BOUND)  # the freed permit went to the waiter
+    assert other.fencing_token is None  # it belongs to the task that acquired
+    info = await other.inspect()
+    assert (info.holders, info.queue_length, info.fence) == (3, 0, 4)
+    assert await other.available() == 0
+    await sems[0].release()
+    await sems[2].release()
+    assert (await other.available(), await other.holders()) == (2, 1)
     await other.release()  # adopts the holding of the finished task
     assert (await other.available(), await other.holders()) == (3, 0)
     assert not await other.locked()
 
 
-async def test_fifo_and_no_barging(r: redis.asyncio.Redis, r2: redis.asyncio.Redis) -> None:
+async def test_fifo_and_no_barging(
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
+) -> None:
     """limit=2, both held; 5 waiters queued one after another get the cycling permit in
     queue order, and a holder that releases and re-acquires at once comes after all."""
     name = "s:fifo"
@@ -185,15 +209,12 @@ async def test_fifo_and_no_barging(r: redis.asyncio.Redis, r2: redis.asyncio.Red
             order.append((index, fence))
             await asyncio.sleep(0.01)
 
-    tasks = [await _queue(probe, waiter(index)) for index in range(5)]
-    try:
-        assert (await first.inspect()).queue_length == 5
-        await first.release()
-        assert await first.acquire(timeout=BOUND * 2)  # must queue behind all five
-        again = first.fencing_token
-        await asyncio.wait_for(asyncio.gather(*tasks), BOUND)
-    finally:
-        await _reap(*tasks)
+    waiters = [await tasks.queued(probe, waiter(index)) for index in range(5)]
+    assert (await first.inspect()).queue_length == 5
+    await first.release()
+    assert await first.acquire(timeout=BOUND * 2)  # must queue behind all five
+    again = first.fencing_token
+    await asyncio.wait_for(asyncio.gather(*waiters), BOUND)
     assert [index for index, _ in order] == list(range(5))
     assert [fence for _, fence in order] == [3, 4, 5, 6, 7]
     assert again == 8
@@ -204,7 +225,7 @@ async def test_fifo_and_no_barging(r: redis.asyncio.Redis, r2: redis.asyncio.Red
 
 
 async def test_several_permits_freed_at_once_wake_that_many(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """limit=4, all held; 6 waiters queued; 3 holders release together: exactly the 3
     first-queued waiters get in, the other 3 stay queued."""
@@ -217,7 +238,7 @@ async def test_several_permits_freed_at_once_wake_that_many(
             holding.release()
             await holders_go.wait()
 
-    holder_tasks = [asyncio.create_task(holder()) for _ in range(3)]
+    holder_tasks = [tasks.start(holder()) for _ in range(3)]
     last = RedisSemaphore(r, name, limit=4, ttl=10)
     for _ in range(3):
         await asyncio.wait_for(holding.acquire(), BOUND)
@@ -236,27 +257,24 @@ async def test_several_permits_freed_at_once_wake_that_many(
                 changed.notify_all()
             await leave.wait()
 
-    waiters = [await _queue(probe, waiter(index)) for index in range(6)]
-    try:
-        assert (await last.inspect()).queue_length == 6
-        holders_go.set()
-        await asyncio.wait_for(asyncio.gather(*holder_tasks), BOUND)
+    waiters = [await tasks.queued(probe, waiter(index)) for index in range(6)]
+    assert (await last.inspect()).queue_length == 6
+    holders_go.set()
+    await asyncio.wait_for(asyncio.gather(*holder_tasks), BOUND)
 
-        async def three_in() -> None:
-            async with changed:
-                await changed.wait_for(lambda: len(entered) >= 3)
+    async def three_in() -> None:
+        async with changed:
+            await changed.wait_for(lambda: len(entered) >= 3)
 
-        await asyncio.wait_for(three_in(), BOUND)
-        info = await last.inspect()
-        assert (info.holders, info.queue_length) == (4, 3), info
-        assert sorted(entered) == [0, 1, 2]
-        assert not any(task.done() for task in waiters)
+    await asyncio.wait_for(three_in(), BOUND)
+    info = await last.inspect()
+    assert (info.holders, info.queue_length) == (4, 3), info
+    assert sorted(entered) == [0, 1, 2]
+    assert not any(task.done() for task in waiters)
 
-        leave.set()
-        await last.release()
-        await asyncio.wait_for(asyncio.gather(*waiters), BOUND)
-    finally:
-        await _reap(*holder_tasks, *waiters)
+    leave.set()
+    await last.release()
+    await asyncio.wait_for(asyncio.gather(*waiters), BOUND)
     assert sorted(entered) == list(range(6))
     info = await last.inspect()
     assert (info.holders, info.queue_length, info.fence) == (0, 0, 10)
@@ -283,7 +301,7 @@ async def test_timeout_from_the_constructor(r: redis.asyncio.Redis) -> None:
 
 @pytest.mark.parametrize(("established", "other"), [(3, 5), (5, 3)])
 async def test_limit_mismatch_changes_nothing(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, established: int, other: int
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks, established: int, other: int
 ) -> None:
     """With the name in use at limit `established` (all permits held, one waiter queued),
     a client asking for limit `other` gets LimitMismatch naming both, and not a key of the
@@ -293,31 +311,29 @@ async def test_limit_mismatch_changes_nothing(
     for sem in held:
         assert await sem.acquire(blocking=False)
     probe = QueueProbe(r2)
-    waiting = await _queue(probe, RedisSemaphore(r2, name, limit=established, ttl=30).acquire())
-    try:
-        before = await semaphore_keys(r, name)
-        assert before, "the semaphore keeps nothing in Redis?"
-        wrong = RedisSemaphore(r2, name, limit=other, ttl=30)
-        for attempt in ("blocking", "non-blocking", "async-with"):
-            with pytest.raises(LimitMismatch) as info:
-                if attempt == "blocking":
-                    await asyncio.wait_for(wrong.acquire(timeout=1), BOUND)
-                elif attempt == "non-blocking":
-                    await wrong.acquire(blocking=False)
-                else:
-                    async with wrong:
-                        pytest.fail("entered with a mismatched limit")
-            message = str(info.value)
-            assert re.search(rf"\b{established}\b", message), message
-            assert re.search(rf"\b{other}\b", message), message
-            assert isinstance(info.value, LockError) and isinstance(info.value, ValueError)
-        assert wrong.statistics().held_here == 0
-        assert await semaphore_keys(r, name) == before
-        assert not waiting.done()
-        await held[0].release()
-        assert await asyncio.wait_for(waiting, BOUND)
-    finally:
-        await _reap(waiting)
+    queued_sem = RedisSemaphore(r2, name, limit=established, ttl=30)
+    waiting = await tasks.queued(probe, queued_sem.acquire())
+    before = await semaphore_keys(r, name)
+    assert before, "the semaphore keeps nothing in Redis?"
+    wrong = RedisSemaphore(r2, name, limit=other, ttl=30)
+    for attempt in ("blocking", "non-blocking", "async-with"):
+        with pytest.raises(LimitMismatch) as info:
+            if attempt == "blocking":
+                await asyncio.wait_for(wrong.acquire(timeout=1), BOUND)
+            elif attempt == "non-blocking":
+                await wrong.acquire(blocking=False)
+            else:
+                async with wrong:
+                    pytest.fail("entered with a mismatched limit")
+        message = str(info.value)
+        assert re.search(rf"\b{established}\b", message), message
+        assert re.search(rf"\b{other}\b", message), message
+        assert isinstance(info.value, LockError) and isinstance(info.value, ValueError)
+    assert wrong.statistics().held_here == 0
+    assert await semaphore_keys(r, name) == before
+    assert not waiting.done()
+    await held[0].release()
+    assert await asyncio.wait_for(waiting, BOUND)
     info_now = await held[1].inspect()
     assert (info_now.limit, info_now.holders, info_now.queue_length) == (
         established,
@@ -326,10 +342,12 @@ async def test_limit_mismatch_changes_nothing(
     )
     for sem in held[1:]:
         await sem.release()
+    await queued_sem.release()  # adopts the holding of the finished task
+    assert (await queued_sem.inspect()).holders == 0
 
 
 async def test_raising_the_limit_wakes_that_many_waiters(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """limit 1 -> 3 while one permit is held and 3 wait: the first 2 queued get in without
     any release, the third stays queued."""
@@ -349,32 +367,29 @@ async def test_raising_the_limit_wakes_that_many_waiters(
                 changed.notify_all()
             await leave.wait()
 
-    waiters = [await _queue(probe, waiter(index)) for index in range(3)]
-    try:
-        assert (await holder.inspect()).queue_length == 3
-        await holder.set_limit(3)
+    waiters = [await tasks.queued(probe, waiter(index)) for index in range(3)]
+    assert (await holder.inspect()).queue_length == 3
+    await holder.set_limit(3)
 
-        async def two_in() -> None:
-            async with changed:
-                await changed.wait_for(lambda: len(entered) >= 2)
+    async def two_in() -> None:
+        async with changed:
+            await changed.wait_for(lambda: len(entered) >= 2)
 
-        await asyncio.wait_for(two_in(), BOUND)
-        info = await holder.inspect()
-        assert (info.limit, info.holders, info.queue_length) == (3, 3, 1), info
-        assert sorted(entered) == [0, 1]
-        assert await holder.available() == 0
-        assert await holder.locked()
-        leave.set()
-        await asyncio.wait_for(asyncio.gather(*waiters), BOUND)
-    finally:
-        await _reap(*waiters)
+    await asyncio.wait_for(two_in(), BOUND)
+    info = await holder.inspect()
+    assert (info.limit, info.holders, info.queue_length) == (3, 3, 1), info
+    assert sorted(entered) == [0, 1]
+    assert await holder.available() == 0
+    assert await holder.locked()
+    leave.set()
+    await asyncio.wait_for(asyncio.gather(*waiters), BOUND)
     assert sorted(entered) == [0, 1, 2]
     await holder.release()
     assert (await holder.available(), await holder.holders()) == (3, 0)
 
 
 async def test_lowering_the_limit_evicts_nobody(
-    r: redis.asyncio.Redis, r2: redis.asyncio.Redis
+    r: redis.asyncio.Redis, r2: redis.asyncio.Redis, tasks: Tasks
 ) -> None:
     """limit 3 -> 1 while 3 hold (ttl=1, so each is renewed during the test): none loses
     its permit; a waiter gets in only once the holders are down to 0."""
@@ -387,21 +402,18 @@ async def test_lowering_the_limit_evicts_nobody(
 
     waiter = RedisSemaphore(r2, name, limit=1, ttl=10)
     probe = QueueProbe(r2)
-    waiting = await _queue(probe, waiter.acquire())
-    try:
-        await asyncio.sleep(1.2)  # more than one lease: each was renewed at least twice
-        assert not any(sem.lost.is_set() for sem in held)
-        assert (await waiter.holders(), await waiter.available()) == (3, 0)
-        assert await waiter.locked()
-        for remaining in (2, 1):
-            await held[remaining].release()
-            info = await waiter.inspect()
-            assert (info.holders, info.queue_length) == (remaining, 1), info
-            assert not waiting.done()
-        await held[0].release()
-        assert await asyncio.wait_for(waiting, BOUND)
-    finally:
-        await _reap(waiting)
+    waiting = await tasks.queued(probe, waiter.acquire())
+    await asyncio.sleep(1.2)  # more than one lease: each was renewed at least twice
+    assert not any(sem.lost.is_set() for sem in held)
+    assert (await waiter.holders(), await waiter.available()) == (3, 0)
+    assert await waiter.locked()
+    for remaining in (2, 1):
+        await held[remaining].release()
+        info = await waiter.inspect()
+        assert (info.holders, info.queue_length) == (remaining, 1), info
+        assert not waiting.done()
+    await held[0].release()
+    assert await asyncio.wait_for(waiting, BOUND)
     info = await waiter.inspect()
     assert (info.limit, info.holders, info.queue_length, info.fence) == (1, 1, 0, 4)
     await waiter.release()
@@ -472,3 +484,37 @@ async def test_lost_permit_cancels_the_body_and_raises(r: redis.asyncio.Redis) -
     assert (await sem.available(), await sem.holders()) == (2, 0)
     async with sem:
         assert sem.fencing_token == 2
+
+
+async def test_waiters_queued_before_set_limit_keep_waiting_and_leave_no_ghost(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    other = redis.asyncio.Redis.from_url(url)
+    try:
+        holder = RedisSemaphore(r, "s:queued-set-limit", limit=1, ttl=1)
+        assert await holder.acquire()
+        waiters = RedisSemaphore(other, "s:queued-set-limit", limit=1, ttl=10)
+        probe = QueueProbe(other)
+        first = asyncio.create_task(waiters.acquire(timeout=5))
+        await probe.wait_queued(1)
+        second = asyncio.create_task(waiters.acquire(timeout=5))
+        await probe.wait_queued(2)
+        await holder.set_limit(2)  # lets the first waiter in; the second stays queued
+        assert await asyncio.wait_for(first, 5) is True
+        # The second re-checks (as on its timer, a keyspace event or a reconnect): it keeps
+        # waiting under the stored limit, not refused with a stale entry left queued.
+        context_for(other).waitqueue.recheck_all()
+        await asyncio.sleep(0.3)  # one round trip for the re-check
+        assert not second.done(), second
+        info = await holder.inspect()
+        assert (info.holders, info.queue_length) == (2, 1)
+        await holder.release()
+        assert await asyncio.wait_for(second, 5) is True
+        info = await holder.inspect()
+        assert (info.holders, info.queue_length) == (2, 0)
+        # A new arrival with the old limit is refused, and leaves nothing queued.
+        with pytest.raises(LimitMismatch):
+            await RedisSemaphore(other, "s:queued-set-limit", limit=1).acquire()
+        assert (await holder.inspect()).queue_length == 0
+    finally:
+        await other.aclose()

@@ -2,7 +2,8 @@
 -- KEYS[1] holders ZSET token -> lease deadline (server ms)   KEYS[2] queue   KEYS[3] waiters
 -- KEYS[4] fence   KEYS[5] fences HASH token -> fence   KEYS[6] limit STRING
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] 'wait' | 'try'   ARGV[3] channel
--- ARGV[4] the caller's limit
+-- ARGV[4] the caller's limit: checked against the stored one for a new arrival only; a
+--         waiter already queued keeps waiting under whatever limit is stored (set_limit)
 -- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, grants...}
 -- queued, {-1, wait_ms, grants...} busy and not queued, {-2, stored_limit} the name is
 -- stored with another limit (nothing changed). grants: token, fence, ttl of others granted.
@@ -10,19 +11,21 @@ local k = sem_keys()
 local member, mode, channel, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local token, ttl, tag = split_member(member)
 
-local stored = redis.call('GET', k.limit)
-if stored and tonumber(stored) ~= limit then
-  return {-2, tonumber(stored)}
-end
-if not stored then
-  redis.call('SET', k.limit, limit)
-end
-
 local now = now_ms()
 local deadline = redis.call('ZSCORE', k.holders, token)
-if deadline and tonumber(deadline) >= now then
+if deadline and tonumber(deadline) >= now then  -- already granted (maybe unread): re-arm
   redis.call('ZADD', k.holders, now + tonumber(ttl), token)
   return {1, tonumber(redis.call('HGET', k.fences, token))}
+end
+
+local stored = redis.call('GET', k.limit)
+if not stored then
+  redis.call('SET', k.limit, limit)
+elseif tonumber(stored) ~= limit then
+  if not redis.call('ZSCORE', k.waiters, member) then
+    return {-2, tonumber(stored)}
+  end
+  limit = tonumber(stored)  -- queued before a set_limit: the stored limit rules
 end
 
 purge_expired(k.holders, k.fences, now)

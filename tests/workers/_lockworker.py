@@ -46,7 +46,7 @@ def queued_token(args: tuple[Any, ...], reply: Any) -> str | None:
     argv = args[3 + int(args[2]) :]
     if len(argv) < 3 or _text(argv[1]) != "wait":
         return None
-    if not isinstance(reply, list) or len(reply) != 2 or int(reply[0]) != 0:
+    if not isinstance(reply, list) or len(reply) < 2 or int(reply[0]) != 0:
         return None
     return _text(argv[0]).split(":", 1)[0]
 
