@@ -10,10 +10,13 @@ fixture is function-scoped and lives on the test's own loop.
 
 from __future__ import annotations
 
+import asyncio
+import random
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import fakeredis
 import pytest
@@ -21,10 +24,13 @@ import redis.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _probes import QueueProbe
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
+from _workers import Spawn, spawner
 
 KINDS: list[ServerKind] = available_kinds()
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
+T = TypeVar("T")
 FAKE = "fakeredis"
 ANY_VARIANTS: list[str] = [*VARIANTS, FAKE]
 
@@ -209,3 +215,65 @@ def server_factory() -> Iterator[Callable[..., ServerProcess]]:
     finally:
         for server in started:
             server.stop()
+
+
+class Tasks:
+    """The tasks a test starts: whatever still runs at teardown is cancelled and awaited
+    there, on the test's loop, even when the test failed half-way."""
+
+    def __init__(self) -> None:
+        self.started: list[asyncio.Task[Any]] = []
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self.started.append(task)
+        return task
+
+    async def queued(self, probe: QueueProbe, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Start `coro` (an acquisition) and return once the server has queued it."""
+        task = self.start(coro)
+        await probe.wait_queued(len(probe.queued) + 1, 5.0)
+        return task
+
+    async def reap(self) -> None:
+        for task in self.started:
+            task.cancel()
+        await asyncio.gather(*self.started, return_exceptions=True)
+
+
+@pytest.fixture
+async def tasks() -> AsyncIterator[Tasks]:
+    started = Tasks()
+    try:
+        yield started
+    finally:
+        await started.reap()
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Spawn]:
+    """``await spawn(script, *argv, stdin=False)``: start a worker process; all are reaped
+    at teardown."""
+    async with spawner() as start:
+        yield start
+
+
+async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, int]) -> None:
+    """Acquire `lock` and cancel the attempt at a random point: before it starts, or within
+    0..4 ms (in flight, queued, or granted with the grant unread). A grant that won the race
+    is held briefly and released (adopting the finished task's holding). Counts outcomes
+    under "acquired" and "cancelled"."""
+    task = asyncio.create_task(lock.acquire())
+    roll = rng.random()
+    if roll > 0.2:
+        await asyncio.sleep(0 if roll < 0.4 else rng.random() * 0.004)
+    task.cancel()
+    try:
+        got = await task
+    except asyncio.CancelledError:
+        outcomes["cancelled"] += 1
+        return
+    outcomes["acquired"] += 1
+    if got:
+        await asyncio.sleep(rng.random() * 0.002)
+        await lock.release()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 from _probes import QueueProbe, mutex_keys
-from conftest import Backend
+from conftest import Backend, cancelled_attempt
 
 from aiolocks import RedisMutex
 from aiolocks._context import context_for
@@ -23,26 +23,11 @@ async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend)
     mutexes = [RedisMutex(client, name, ttl=5) for client in clients]
     outcomes = {"acquired": 0, "cancelled": 0}
 
-    async def attempt(mutex: RedisMutex) -> None:
-        task = asyncio.create_task(mutex.acquire())
-        # Before it starts, or within 0..4 ms: in flight, queued, or granted but unread
-        roll = rng.random()
-        if roll > 0.2:
-            await asyncio.sleep(0 if roll < 0.4 else rng.random() * 0.004)
-        task.cancel()
-        try:
-            got = await task
-        except asyncio.CancelledError:
-            outcomes["cancelled"] += 1
-            return
-        outcomes["acquired"] += 1
-        if got:
-            await asyncio.sleep(rng.random() * 0.002)
-            await mutex.release()  # adopts the holding of the finished task
-
     async def storm() -> None:
         for _ in range(10):
-            await asyncio.gather(*(attempt(mutexes[i % 2]) for i in range(50)))
+            await asyncio.gather(
+                *(cancelled_attempt(mutexes[i % 2], rng, outcomes) for i in range(50))
+            )
 
     await asyncio.wait_for(storm(), 60)
     assert outcomes["acquired"] + outcomes["cancelled"] == 500

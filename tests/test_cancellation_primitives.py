@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import redis.asyncio
-from conftest import Backend
+from conftest import Backend, cancelled_attempt
 
 from aiolocks import RedisReadWriteLock, RedisSemaphore
 from aiolocks._context import context_for
@@ -48,21 +48,7 @@ async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend)
             side = sems[which]
         else:
             side = rws[which].read() if kind == "read" else rws[which].write()
-        task = asyncio.create_task(side.acquire())
-        # Before it starts, or within 0..4 ms: in flight, queued, or granted but unread
-        roll = rng.random()
-        if roll > 0.2:
-            await asyncio.sleep(0 if roll < 0.4 else rng.random() * 0.004)
-        task.cancel()
-        try:
-            got = await task
-        except asyncio.CancelledError:
-            outcomes["cancelled"] += 1
-            return
-        outcomes["acquired"] += 1
-        if got:
-            await asyncio.sleep(rng.random() * 0.002)
-            await side.release()  # adopts the holding of the finished task
+        await cancelled_attempt(side, rng, outcomes)
 
     async def storm() -> None:
         for _ in range(10):

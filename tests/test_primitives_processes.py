@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
 from _servers import arun_workers
-from test_mutex_processes import ROOT, Spawn, Worker
+from _workers import LINE_TIMEOUT, Spawn
 
 from aiolocks import RedisReadWriteLock, RedisSemaphore
 
@@ -34,40 +32,9 @@ SEMAPHORE_HOLDER = WORKERS / "semaphore_holder.py"
 RWLOCK_USER = WORKERS / "rwlock_user.py"
 CRASHER = WORKERS / "primitive_crasher.py"
 
-LINE_TIMEOUT = 20.0  # longest wait for one expected line of a worker
 SLACK = 0.25  # a waiter must get a dead holder's permit/side within its ttl plus this
 
 Record = tuple[str, int, int, float, float, int]  # kind, worker, task, start, end, fence
-
-
-@pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
-    """``await spawn(script, *argv, stdin=False)``: start a worker; all are reaped at teardown."""
-    started: list[Worker] = []
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-
-    async def start(script: Path, *argv: object, stdin: bool = False) -> Worker:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(script),
-            *map(str, argv),
-            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        worker = Worker(proc, f"{script.name}#{len(started)} (pid {proc.pid})")
-        started.append(worker)
-        return worker
-
-    try:
-        yield start
-    finally:
-        for worker in started:
-            worker.kill()
-        for worker in started:
-            await worker.finish()
 
 
 async def _history(client: redis.asyncio.Redis, name: str) -> list[Record]:

@@ -11,14 +11,15 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
+from conftest import Tasks
 
 from aiolocks import LockLost, LockReentry, LockTimeout, RedisReadWriteLock
 from aiolocks._context import context_for
@@ -37,39 +38,6 @@ async def r2(url: str) -> AsyncIterator[redis.asyncio.Redis]:
         yield client
     finally:
         await client.aclose()
-
-
-class Tasks:
-    """The tasks a test starts: whatever still runs at teardown is cancelled and awaited
-    there, on the test's loop, even when the test failed half-way."""
-
-    def __init__(self) -> None:
-        self.started: list[asyncio.Task[Any]] = []
-
-    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro)
-        self.started.append(task)
-        return task
-
-    async def queued(self, probe: QueueProbe, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Start `coro` (an acquisition) and return once the server has queued it."""
-        task = self.start(coro)
-        await probe.wait_queued(len(probe.queued) + 1, BOUND)
-        return task
-
-    async def reap(self) -> None:
-        for task in self.started:
-            task.cancel()
-        await asyncio.gather(*self.started, return_exceptions=True)
-
-
-@pytest.fixture
-async def tasks() -> AsyncIterator[Tasks]:
-    started = Tasks()
-    try:
-        yield started
-    finally:
-        await started.reap()
 
 
 @dataclass

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
+from conftest import Tasks
 
 from aiolocks import (
     LimitMismatch,
@@ -68,39 +69,6 @@ async def semaphore_keys(client: redis.asyncio.Redis, name: str) -> dict[str, An
         expires = await client.pttl(key) >= 0  # whether it has an expiry, not how long
         found[text.removeprefix(_prefix(name))] = (kind, value, expires)
     return found
-
-
-class Tasks:
-    """The tasks a test starts: whatever still runs at teardown is cancelled and awaited
-    there, on the test's loop, even when the test failed half-way."""
-
-    def __init__(self) -> None:
-        self.started: list[asyncio.Task[Any]] = []
-
-    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(coro)
-        self.started.append(task)
-        return task
-
-    async def queued(self, probe: QueueProbe, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Start `coro` (an acquisition) and return once the server has queued it."""
-        task = self.start(coro)
-        await probe.wait_queued(len(probe.queued) + 1, BOUND)
-        return task
-
-    async def reap(self) -> None:
-        for task in self.started:
-            task.cancel()
-        await asyncio.gather(*self.started, return_exceptions=True)
-
-
-@pytest.fixture
-async def tasks() -> AsyncIterator[Tasks]:
-    started = Tasks()
-    try:
-        yield started
-    finally:
-        await started.reap()
 
 
 # -- the limit ----------------------------------------------------------------------------
