@@ -24,6 +24,7 @@ import redis.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _faultreport import pytest_terminal_summary as pytest_terminal_summary
 from _probes import QueueProbe
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
 from _workers import Spawn, spawner

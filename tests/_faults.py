@@ -1,0 +1,159 @@
+"""Shared pieces of the fault-injection suite (``tests/test_faults_*.py``): the three
+primitives behind one face, contended runs that log their holdings, and key checks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import redis.asyncio
+import redis.exceptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from _history import HistoryLog
+
+from aiolocks import (
+    LockLost,
+    LockTimeout,
+    RedisMutex,
+    RedisReadWriteLock,
+    RedisSemaphore,
+    ServerUnavailable,
+)
+from aiolocks._holding import LeasedLock
+
+__all__ = [
+    "KINDS",
+    "Contention",
+    "Kind",
+    "Side",
+    "aiolocks_keys",
+    "leftovers",
+    "make_sides",
+    "snapshot",
+]
+
+Kind = Literal["mutex", "semaphore", "rwlock"]
+KINDS: tuple[Kind, ...] = ("mutex", "semaphore", "rwlock")
+# What may stay behind by design once nothing is held or queued (docs/architecture.md):
+# the fence counter of every primitive, and the stored limit of a semaphore.
+_KEPT = {"mutex": {"fence"}, "semaphore": {"fence", "limit"}, "rwlock": {"fence"}}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way to hold a primitive, and the history kind its holdings log as."""
+
+    lock: LeasedLock
+    kind: str  # "x", "r" or "s" (see _history)
+
+
+def make_sides(
+    client: redis.asyncio.Redis, kind: Kind, name: str, *, limit: int = 2, **options: Any
+) -> list[Side]:
+    """The ways to hold `kind` named `name` through `client`: one for the mutex, one for
+    the semaphore (``s``, or ``x`` with one permit), read and write for the RW lock."""
+    if kind == "mutex":
+        return [Side(RedisMutex(client, name, **options), "x")]
+    if kind == "semaphore":
+        sem = RedisSemaphore(client, name, limit=limit, **options)
+        return [Side(sem, "x" if limit == 1 else "s")]
+    rw = RedisReadWriteLock(client, name, **options)
+    return [Side(rw.read(), "r"), Side(rw.write(), "x")]
+
+
+async def aiolocks_keys(client: redis.asyncio.Redis, kind: str, name: str) -> dict[str, str]:
+    """Every aiolocks key of primitive `name`: its part ("owner", "queue", ...) -> type."""
+    prefix = f"aiolocks:{kind}:{{{name}}}:"
+    found: dict[str, str] = {}
+    async for key in client.scan_iter(match=f"{prefix}*"):
+        text = key.decode() if isinstance(key, bytes) else key
+        key_type = await client.type(key)
+        found[text.removeprefix(prefix)] = (
+            key_type.decode() if isinstance(key_type, bytes) else key_type
+        )
+    return found
+
+
+async def leftovers(client: redis.asyncio.Redis, kind: str, name: str) -> dict[str, str]:
+    """The keys of `name` that should be gone when nobody holds or waits (orphans)."""
+    keys = await aiolocks_keys(client, kind, name)
+    return {part: key_type for part, key_type in keys.items() if part not in _KEPT[kind]}
+
+
+async def snapshot(client: redis.asyncio.Redis) -> dict[bytes, tuple[bytes | None, bool]]:
+    """Every key of the database: its DUMP (type and value, byte for byte) and whether it
+    has an expiry."""
+    found: dict[bytes, tuple[bytes | None, bool]] = {}
+    async for key in client.scan_iter(match="*"):
+        dump = await client.execute_command("DUMP", key)
+        found[key] = (dump, int(await client.pttl(key)) >= 0)
+    return found
+
+
+@dataclass
+class Contention:
+    """Tasks taking turns on a set of `Side`s, each logging its holdings in a `HistoryLog`.
+
+    Failures a fault may cause (`LockLost`, `ServerUnavailable`, a connection error of the
+    log itself, `LockTimeout`) are counted and the iteration is tried again, so every task
+    finishes its `iterations` once the fault is over.
+    """
+
+    iterations: int
+    hold: float = 0.003  # longest sleep inside the critical section
+    seed: int = 7
+    completed: int = 0
+    lost: int = 0
+    unavailable: int = 0
+    timeouts: int = 0
+    grants: list[tuple[str, float]] = field(default_factory=list)  # (who, monotonic)
+
+    async def run_task(self, sides: list[Side], log: HistoryLog, who: str) -> None:
+        rng = random.Random(f"{self.seed}:{who}")
+        done = 0
+        while done < self.iterations:
+            side = rng.choice(sides)
+            try:
+                async with side.lock:
+                    self.grants.append((who, time.monotonic()))
+                    fence = side.lock.fencing_token
+                    assert fence is not None
+                    started = await log.start()
+                    await asyncio.sleep(rng.random() * self.hold)
+                    await log.end(side.kind, fence, started, who)
+                done += 1
+                self.completed += 1
+            except LockLost:
+                self.lost += 1
+            except LockTimeout:
+                self.timeouts += 1
+            except (ServerUnavailable, redis.exceptions.ConnectionError):
+                self.unavailable += 1
+
+    async def run(
+        self,
+        workers: list[tuple[list[Side], HistoryLog, str]],
+        chaos: Callable[[], Awaitable[None]] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        """Run every worker to completion while `chaos()` (if given) runs beside them; the
+        chaos task is cancelled once the workers are done."""
+        runs = [asyncio.create_task(self.run_task(*worker)) for worker in workers]
+        chaos_task = asyncio.create_task(chaos()) if chaos is not None else None
+        try:
+            await asyncio.wait_for(asyncio.gather(*runs), timeout)
+        finally:
+            for task in runs:
+                task.cancel()
+            if chaos_task is not None:
+                chaos_task.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            if chaos_task is not None:
+                await asyncio.gather(chaos_task, return_exceptions=True)
