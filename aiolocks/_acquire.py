@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import redis.exceptions
+
 from ._context import ClientContext
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
@@ -147,16 +149,26 @@ async def acquire(
             await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
 
 
-async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
-    """Run the release script for `token`; True if it held the primitive.
+async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
+    """Run the release script for `token`; True if it held the primitive, False if not.
 
+    A call cut off by a connection error is run once more; if that one finds the token not
+    holding, the answer is None: the first call may have released it (its reply was lost)
+    or the lease may have been lost, and only the caller's lease can tell which.
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
-    reply = await context.run(spec.release, spec.keys, (member, spec.channel, *spec.args))
+    args = (member, spec.channel, *spec.args)
+    unsure = False
+    try:
+        reply = await context.run(spec.release, spec.keys, args, retry=False)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        unsure = True
+        reply = await context.run(spec.release, spec.keys, args, retry=False)
     wake_granted(context, spec, reply, 1)
-    return int(reply[0]) == 1
+    held = int(reply[0]) == 1
+    return None if unsure and not held else held
 
 
 def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: int) -> None:
@@ -169,7 +181,9 @@ def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: in
         context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]))
 
 
-async def release_surely(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
+async def release_surely(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int
+) -> bool | None:
     """`release`, completed even if the caller is cancelled meanwhile.
 
     The fast path awaits the script directly (no extra task). If a cancellation interrupts

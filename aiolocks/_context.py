@@ -72,16 +72,37 @@ class ClientContext:
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
 
-    async def run(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
-        """EVALSHA `script`; load it into the server first if the server does not know it."""
+    async def run(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        retry: bool = True,
+    ) -> Any:
+        """EVALSHA `script`; load it into the server first if the server does not know it.
+
+        A connection error is retried once (unless `retry` is false), on a fresh
+        connection: a connection dropped by the server or the network fails the command
+        in flight (and a client made by `from_url` retries nothing by itself), and every
+        engine script is idempotent, so running one again after a lost reply is safe.
+        """
         async with self._slots:
-            self.commands_sent += 1
             try:
-                return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                self.commands_sent += 2
-                await self._execute("SCRIPT", "LOAD", script.source)
-                return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+                return await self._evalsha(script, keys, args)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if not retry:
+                    raise
+                return await self._evalsha(script, keys, args)
+
+    async def _evalsha(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        self.commands_sent += 1
+        try:
+            return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.commands_sent += 2
+            await self._execute("SCRIPT", "LOAD", script.source)
+            return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
 
     async def pipeline(
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]

@@ -202,6 +202,10 @@ class LeasedLock:
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
             held = await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
+        if held is None:
+            # The first call's reply was lost and the retry found it released: that was the
+            # first call, unless the lease had ended, which its validity rules out.
+            held = holding.lease is None or holding.lease.remaining > 0
         if not held:
             holding.lost_reason = "it was no longer held when released"
             holding.lost.set()

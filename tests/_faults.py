@@ -34,6 +34,7 @@ __all__ = [
     "Kind",
     "Side",
     "aiolocks_keys",
+    "close_client",
     "leftovers",
     "make_sides",
     "snapshot",
@@ -157,3 +158,44 @@ class Contention:
             await asyncio.gather(*runs, return_exceptions=True)
             if chaos_task is not None:
                 await asyncio.gather(chaos_task, return_exceptions=True)
+
+
+async def settle(
+    client: redis.asyncio.Redis, kind: Kind, name: str, *, limit: int = 2, timeout: float = 10.0
+) -> float:
+    """Take every permit of `name` (waiting for stray leases to end), then give them back:
+    the scripts purge whatever dead holders and waiters are left. Returns the seconds it
+    took, the time the primitive needed to recover."""
+    started = time.monotonic()
+    if kind == "semaphore":
+        sem = RedisSemaphore(client, name, limit=limit, ttl=5)
+        locks: list[LeasedLock] = [sem] * limit
+    elif kind == "rwlock":
+        locks = [RedisReadWriteLock(client, name, ttl=5).write()]
+    else:
+        locks = [RedisMutex(client, name, ttl=5)]
+    entered = asyncio.Event()
+    count = 0
+
+    async def take(lock: LeasedLock) -> None:
+        nonlocal count
+        assert await lock.acquire(timeout=timeout), f"{kind} {name!r} stuck for {timeout} s"
+        count += 1
+        if count == len(locks):
+            entered.set()
+        await entered.wait()
+        await lock.release()
+
+    await asyncio.gather(*(take(lock) for lock in locks))
+    return time.monotonic() - started
+
+
+async def close_client(client: redis.asyncio.Redis) -> None:
+    """Stop the client's aiolocks engine (lease keeper, notifier), then close the client.
+
+    A keeper renewing (or a notifier re-connecting) through a link the test broke may be
+    mid-connect when the test ends; closing only the client would leave that new socket
+    to the garbage collector."""
+    for context in list(getattr(client, "_aiolocks_contexts", {}).values()):
+        await context.aclose()
+    await client.aclose()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Proxy"]
+__all__ = ["Drop", "Proxy"]
 
 HOST = "127.0.0.1"
 _CHUNK = 65536
@@ -24,10 +25,18 @@ Match = Callable[[bytes], bool]
 
 
 @dataclass
-class _Trigger:
+class Drop:
+    """An armed drop (see `Proxy.drop_on`): `fired` is set, and `at` (monotonic) noted,
+    when it happened."""
+
     match: Match
     point: str  # "request": drop instead of forwarding; "reply": drop when the reply comes
-    fired: asyncio.Event
+    fired: asyncio.Event = field(default_factory=asyncio.Event)
+    at: float | None = None
+
+    def fire(self) -> None:
+        self.at = time.monotonic()
+        self.fired.set()
 
 
 class _Link:
@@ -42,7 +51,7 @@ class _Link:
         self.proxy = proxy
         self.client_reader, self.client_writer = client
         self.server_reader, self.server_writer = server
-        self.drop_on_reply: _Trigger | None = None
+        self.drop_on_reply: Drop | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -66,12 +75,12 @@ class _Link:
                 if upstream:
                     trigger = self.proxy._take_trigger(data)
                     if trigger is not None and trigger.point == "request":
-                        trigger.fired.set()
+                        trigger.fire()
                         break  # the server never sees it
                     if trigger is not None:
                         self.drop_on_reply = trigger
                 elif self.drop_on_reply is not None:
-                    self.drop_on_reply.fired.set()
+                    self.drop_on_reply.fire()
                     break  # the server ran it; the client never sees the reply
                 writer.write(data)
                 await writer.drain()
@@ -102,7 +111,7 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._flowing = asyncio.Event()
         self._flowing.set()
-        self._triggers: list[_Trigger] = []
+        self._triggers: list[Drop] = []
 
     async def start(self) -> Proxy:
         self._server = await asyncio.start_server(self._accept, HOST, 0)
@@ -146,24 +155,23 @@ class Proxy:
             link.close()
         return len(links)
 
-    def drop_on(self, match: Match, point: str) -> asyncio.Event:
+    def drop_on(self, match: Match, point: str) -> Drop:
         """Drop the connection of the next request chunk that `match`es, once.
 
         point "request": the chunk is not forwarded (the server never runs it);
         "reply": it is forwarded, and the connection is dropped when the reply comes
-        back (the server ran it, the client never learns the result). The returned
-        event is set when the drop happened.
+        back (the server ran it, the client never learns the result).
         """
         if point not in ("request", "reply"):
             raise ValueError(f"point must be 'request' or 'reply', not {point!r}")
-        trigger = _Trigger(match, point, asyncio.Event())
+        trigger = Drop(match, point)
         self._triggers.append(trigger)
-        return trigger.fired
+        return trigger
 
     def disarm(self) -> None:
         self._triggers.clear()
 
-    def _take_trigger(self, data: bytes) -> _Trigger | None:
+    def _take_trigger(self, data: bytes) -> Drop | None:
         for trigger in self._triggers:
             if trigger.match(data):
                 self._triggers.remove(trigger)
