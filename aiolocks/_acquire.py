@@ -243,9 +243,9 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
             await asyncio.shield(task)
             break
         except asyncio.CancelledError:
+            cancelled = True  # even if the call finished meanwhile: never swallow it
             if task.done():
                 break
-            cancelled = True
     if cancelled:
         raise asyncio.CancelledError
     return task.result()

@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 
+from . import _cancel
 from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
@@ -87,13 +88,16 @@ class ClientContext:
         in flight (and a client made by `from_url` retries nothing by itself), and every
         engine script is idempotent, so running one again after a lost reply is safe.
         """
+        before = _cancel.pending()
         async with self._slots:
             try:
-                return await self._evalsha(script, keys, args)
+                reply = await self._evalsha(script, keys, args)
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 if not retry:
                     raise
-                return await self._evalsha(script, keys, args)
+                reply = await self._evalsha(script, keys, args)
+        _cancel.redeliver(before)
+        return reply
 
     async def _evalsha(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
         self.commands_sent += 1
@@ -108,6 +112,7 @@ class ClientContext:
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
     ) -> list[Any]:
         """Run several scripts in one round trip; each result is a value or an exception."""
+        before = _cancel.pending()
         for attempt in range(2):
             async with self._slots:
                 pipe = self.client.pipeline(transaction=False)
@@ -115,6 +120,7 @@ class ClientContext:
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
                 self.commands_sent += len(calls)
                 results: list[Any] = await pipe.execute(raise_on_error=False)
+            _cancel.redeliver(before)
             missing = {
                 call[0]
                 for call, result in zip(calls, results, strict=True)

@@ -19,6 +19,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from . import _cancel
 from ._leases import cancelling
 from ._waitqueue import WaitQueue
 
@@ -76,8 +77,18 @@ class Notifier:
         """Hold a reference to `wake` (and the keyspace channel of `watch_key`).
 
         Returns once the subscription is confirmed, or after a short bound: a waiter whose
-        subscription is not confirmed yet still wakes on its timer.
+        subscription is not confirmed yet still wakes on its timer. A cancellation that
+        redis-py or `wait_for` swallowed meanwhile is raised (see `_cancel`).
         """
+        before = _cancel.pending()
+        await self._retain(wake, watch_key)  # holds no reference if it raises
+        try:
+            _cancel.redeliver(before)
+        except asyncio.CancelledError:
+            self.release(wake)
+            raise
+
+    async def _retain(self, wake: bytes, watch_key: bytes | None) -> None:
         channel = self._channels.get(wake)
         if channel is None:
             keyspace = None
@@ -92,17 +103,24 @@ class Notifier:
         if channel.linger is not None:
             channel.linger.cancel()
             channel.linger = None
-        if channel.confirmed is None:
-            channel.confirmed = asyncio.get_running_loop().create_future()
-            try:
-                await self._subscribe(channel)
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.debug("aiolocks: subscribe to %r failed: %r", wake, exc)
-                channel.confirmed = None
-                return
-        if not channel.confirmed.done():
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(channel.confirmed), _CONFIRM_BOUND)
+        try:
+            if channel.confirmed is None:
+                channel.confirmed = asyncio.get_running_loop().create_future()
+                try:
+                    await self._subscribe(channel)
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    log.debug("aiolocks: subscribe to %r failed: %r", wake, exc)
+                    channel.confirmed = None
+                    return
+                except BaseException:
+                    channel.confirmed = None  # cancelled, maybe unsent: the next one retries
+                    raise
+            if not channel.confirmed.done():
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(channel.confirmed), _CONFIRM_BOUND)
+        except BaseException:
+            self.release(wake)  # cancelled: the caller never got the reference
+            raise
 
     def release(self, wake: bytes) -> None:
         """Drop a reference taken by `retain`; the channel lingers before unsubscribing."""

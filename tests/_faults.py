@@ -93,7 +93,7 @@ async def snapshot(client: redis.asyncio.Redis) -> dict[bytes, tuple[bytes | Non
     has an expiry."""
     found: dict[bytes, tuple[bytes | None, bool]] = {}
     async for key in client.scan_iter(match="*"):
-        dump = await client.execute_command("DUMP", key)
+        dump = await client.dump(key)
         found[key] = (dump, int(await client.pttl(key)) >= 0)
     return found
 
@@ -147,7 +147,7 @@ class Contention:
         """Run every worker to completion while `chaos()` (if given) runs beside them; the
         chaos task is cancelled once the workers are done."""
         runs = [asyncio.create_task(self.run_task(*worker)) for worker in workers]
-        chaos_task = asyncio.create_task(chaos()) if chaos is not None else None
+        chaos_task = asyncio.ensure_future(chaos()) if chaos is not None else None
         try:
             await asyncio.wait_for(asyncio.gather(*runs), timeout)
         finally:

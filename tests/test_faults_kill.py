@@ -86,7 +86,8 @@ async def test_client_kill_at_random_during_a_contended_run(
         problems: list[str] = []
         orphaned = 0
         for kind in KINDS:
-            problems += check(await logs[kind].entries(), limit=2, counter=await logs[kind].counter())
+            entries = await logs[kind].entries()
+            problems += check(entries, limit=2, counter=await logs[kind].counter())
             await settle(admin, kind, names[kind])
             orphans = await leftovers(admin, kind, names[kind])
             orphaned += len(orphans)

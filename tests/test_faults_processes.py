@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio
@@ -101,14 +102,17 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
             await start(index)
         for k in range(KILLS):
             # Let a few holdings happen, then pick a victim in the wanted state.
-            await wait_for(lambda goal=grants() + rng.randint(2, 5): grants() >= goal)
+            goal = grants() + rng.randint(2, 5)
+            await wait_for(lambda goal=goal: grants() >= goal)
             want_holder = k % 2 == 0
 
             def victims(want_holder: bool = want_holder) -> list[Tracked]:
                 return [
                     t
                     for t in tracked
-                    if t.alive and t.tag and (t.last == "held") == want_holder
+                    if t.alive
+                    and t.tag
+                    and (t.last == "held") == want_holder
                     and t.last != "finished"
                 ]
 
@@ -134,15 +138,17 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
                 await log.entries(), limit=2, counter=await log.counter()
             )]  # fmt: skip
             # Queue entries left now belong to dead processes, and live ttl past death at most.
-            waiters = await admin.zrange(f"aiolocks:{kind}:{{{name}-{kind}}}:waiters", 0, -1,
-                                         withscores=True)  # fmt: skip
+            key = f"aiolocks:{kind}:{{{name}-{kind}}}:waiters"
+            waiters: list[Any] = await admin.zrange(key, 0, -1, withscores=True)
             for member, deadline in waiters:
                 tag = member.decode().split(":")[2]
                 if tag not in dead_tags:
                     problems.append(f"{kind}: queue entry {member!r} of a live process left")
                 elif deadline > dead_tags[tag] + TTL * 1000 + 5:
                     problems.append(f"{kind}: {member!r} lives past its last heartbeat + ttl")
-        settle_times = [await settle(admin, kind, f"{name}-{kind}", timeout=5 * TTL) for kind in KINDS]
+        settle_times = [
+            await settle(admin, kind, f"{name}-{kind}", timeout=5 * TTL) for kind in KINDS
+        ]
         orphaned = 0
         for kind in KINDS:
             orphans = await leftovers(admin, kind, f"{name}-{kind}")

@@ -58,7 +58,9 @@ def _lock(client: redis.asyncio.Redis, kind: str, name: str, **options: Any) -> 
 
 
 def _family(kind: str) -> Kind:
-    return "rwlock" if kind in ("read", "write") else ("semaphore" if kind == "semaphore" else "mutex")
+    if kind in ("read", "write"):
+        return "rwlock"
+    return "semaphore" if kind == "semaphore" else "mutex"
 
 
 async def _server_lease_end(direct: redis.asyncio.Redis, kind: str, name: str) -> int:
@@ -67,7 +69,7 @@ async def _server_lease_end(direct: redis.asyncio.Redis, kind: str, name: str) -
     base = f"aiolocks:{family}:{{{name}}}:"
     if kind in ("mutex", "write"):
         key = base + ("owner" if kind == "mutex" else "writer")
-        return int(await direct.execute_command("PEXPIRETIME", key))
+        return int(await direct.execute_command("PEXPIRETIME", key))  # type: ignore[no-untyped-call]
     key = base + ("holders" if kind == "semaphore" else "readers")
     members = await direct.zrange(key, 0, -1, withscores=True)
     return int(members[0][1]) if len(members) == 1 else -1

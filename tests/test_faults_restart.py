@@ -97,7 +97,8 @@ async def test_restart_during_waits_tells_the_holder_and_frees_the_waiters(
         holding = asyncio.create_task(hold())
         await asyncio.wait_for(in_body.wait(), 5)
         waiting: dict[str, asyncio.Task[str]] = {}
-        for client, label in ((patient, "patient-1"), (patient, "patient-2"), (impatient, "impatient")):
+        waiters = ((patient, "patient-1"), (patient, "patient-2"), (impatient, "impatient"))
+        for client, label in waiters:
             probe = QueueProbe(client)
             waiting[label] = asyncio.create_task(wait(client, label))
             await probe.wait_queued(len(probe.queued) + 1, 5)
@@ -109,9 +110,7 @@ async def test_restart_during_waits_tells_the_holder_and_frees_the_waiters(
 
         with pytest.raises(LockLost):
             await asyncio.wait_for(holding, 10)
-        outcomes = {
-            label: await asyncio.wait_for(task, 20) for label, task in waiting.items()
-        }
+        outcomes = {label: await asyncio.wait_for(task, 20) for label, task in waiting.items()}
         recovered = [label for label, outcome in outcomes.items() if outcome == "recovered"]
         # The patient waiters outlast the outage; the impatient one may get a clear error.
         assert {"patient-1", "patient-2"} <= set(recovered), outcomes

@@ -98,16 +98,16 @@ class HistoryLog:
         return Started(int(seq), int(value), int(at))
 
     async def end(self, kind: str, fence: int, started: Started, who: object) -> None:
-        args = (kind, fence, started.seq, started.value, started.at_us, who)
+        args = (kind, fence, started.seq, started.value, started.at_us, str(who))
         await self.client.eval(_END, 4, *self.keys, *args)
 
     async def entries(self) -> list[Entry]:
         lines = await self.client.lrange(self.keys[2], 0, -1)
         found = []
         for line in lines:
-            kind, fence, start, end, value_in, value_out, start_us, end_us, who = _text(
-                line
-            ).split(" ")
+            kind, fence, start, end, value_in, value_out, start_us, end_us, who = _text(line).split(
+                " "
+            )
             found.append(
                 Entry(
                     kind,

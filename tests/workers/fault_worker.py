@@ -42,11 +42,10 @@ async def main(argv: list[str]) -> int:
     client = redis.asyncio.Redis.from_url(url)
     try:
         rw = RedisReadWriteLock(client, f"{name}-rwlock", ttl=ttl, timeout=timeout)
+        sem = RedisSemaphore(client, f"{name}-semaphore", limit=2, ttl=ttl, timeout=timeout)
         sides: dict[str, list[tuple[LeasedLock, str]]] = {
             "mutex": [(RedisMutex(client, f"{name}-mutex", ttl=ttl, timeout=timeout), "x")],
-            "semaphore": [
-                (RedisSemaphore(client, f"{name}-semaphore", limit=2, ttl=ttl, timeout=timeout), "s")
-            ],
+            "semaphore": [(sem, "s")],
             "rwlock": [(rw.read(), "r"), (rw.write(), "x")],
         }
         logs = {kind: HistoryLog(client, f"{name}-{kind}") for kind in KINDS}

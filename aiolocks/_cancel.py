@@ -1,0 +1,29 @@
+"""Cancellation that a library below us swallowed is delivered again.
+
+On Python 3.11, `asyncio.wait_for` returns the result and drops a cancellation that
+arrives in the same loop iteration as the result (CPython gh-86296, fixed in 3.12), and
+redis-py awaits it around every socket write when the client has a `socket_timeout`. A
+cancelled acquire would then return normally, and `asyncio.timeout` would not fire. The
+engine counts the task's pending cancellation requests before such a call and, if one
+arrived and was not delivered, raises `CancelledError` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["pending", "redeliver"]
+
+
+def pending() -> int:
+    """How many cancellation requests of the current task are pending (0 before 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0
+
+
+def redeliver(before: int) -> None:
+    """Raise `CancelledError` if a cancellation was requested since `pending()` returned
+    `before` but the awaited call returned normally instead of raising it."""
+    if pending() > before:
+        raise asyncio.CancelledError

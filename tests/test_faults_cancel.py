@@ -1,0 +1,183 @@
+"""Cancellation storm: thousands of acquisitions of the mutex, the semaphore and the
+read-write lock, cancelled at random points by `task.cancel()`, `asyncio.timeout`, anyio
+cancel scopes (a deadline, or `cancel()` from outside) and a failing task-group sibling.
+
+A cancellation may land while the acquire script is in flight, while queued, after a
+grant whose message is unread, inside the body, or during the release. Afterwards Redis
+holds nothing for those names but the fence counters (and the semaphore's stored limit,
+kept by design: docs/architecture.md), no waiter is parked anywhere, and the primitive
+can be taken at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import pytest
+import redis.asyncio
+from _faultreport import record
+from _faults import KINDS, Kind, Side, close_client, leftovers, make_sides
+from _servers import ServerProcess
+
+from aiolocks._context import context_for
+
+pytestmark = pytest.mark.faults
+
+ATTEMPTS = 800  # per primitive
+BATCH = 50  # attempts running at once
+
+
+class Boom(Exception):
+    """The failure of a task-group sibling."""
+
+
+def _delay(rng: random.Random) -> float:
+    """When to cancel: often before the acquisition could finish, sometimes inside the
+    body or during the release, sometimes too late."""
+    return rng.random() * (0.008 if rng.random() < 0.7 else 0.1)
+
+
+async def _use(side: Side, rng: random.Random) -> None:
+    """Acquire, hold a moment, release: the operation every method cancels somewhere."""
+    async with side.lock:
+        await asyncio.sleep(rng.random() * 0.002)
+
+
+# Each method returns "completed", "cancelled", or "swallowed": the cancellation was
+# requested and delivered, yet the operation returned normally (a violation).
+
+
+async def _by_timeout(side: Side, rng: random.Random) -> str:
+    if sys.version_info < (3, 11):  # pragma: no cover - no asyncio.timeout
+        try:
+            await asyncio.wait_for(_use(side, rng), _delay(rng))
+        except asyncio.TimeoutError:
+            return "cancelled"
+        return "completed"
+    try:
+        async with asyncio.timeout(_delay(rng)) as timeout:
+            await _use(side, rng)
+    except TimeoutError:
+        return "cancelled"
+    return "swallowed" if timeout.expired() else "completed"
+
+
+async def _by_scope_deadline(side: Side, rng: random.Random) -> str:
+    with anyio.move_on_after(_delay(rng)) as scope:
+        await _use(side, rng)
+    return "cancelled" if scope.cancelled_caught else "completed"
+
+
+async def _by_scope_cancel(side: Side, rng: random.Random) -> str:
+    with anyio.CancelScope() as scope:
+        handle = asyncio.get_running_loop().call_later(_delay(rng), scope.cancel)
+        try:
+            await _use(side, rng)
+        finally:
+            handle.cancel()
+    return "cancelled" if scope.cancelled_caught else "completed"
+
+
+async def _by_task_group(side: Side, rng: random.Random) -> str:
+    delay = _delay(rng)
+    done = False
+
+    async def work() -> None:
+        nonlocal done
+        await _use(side, rng)
+        done = True
+
+    async def sibling() -> None:
+        await asyncio.sleep(delay)
+        raise Boom
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(work)
+            group.start_soon(sibling)
+    except Exception as failure:  # an ExceptionGroup holding the sibling's Boom
+        inner = getattr(failure, "exceptions", [failure])
+        assert all(isinstance(e, Boom) for e in inner), failure
+    return "completed" if done else "cancelled"
+
+
+async def _by_task_cancel(side: Side, rng: random.Random) -> str:
+    task = asyncio.create_task(_use(side, rng))
+    await asyncio.sleep(_delay(rng))
+    requested = task.cancel()  # False: it had already finished
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    return "swallowed" if requested else "completed"
+
+
+Method = Callable[[Side, random.Random], Awaitable[str]]
+METHODS: dict[str, Method] = {
+    "asyncio.timeout": _by_timeout,
+    "anyio deadline": _by_scope_deadline,
+    "anyio cancel()": _by_scope_cancel,
+    "task group failure": _by_task_group,
+    "task.cancel()": _by_task_cancel,
+}
+
+
+@pytest.fixture
+async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyncio.Redis]]:
+    made = [redis.asyncio.Redis.from_url(valkey_notify.url) for _ in range(2)]
+    await made[0].flushall()
+    try:
+        yield made
+    finally:
+        for client in made:
+            await close_client(client)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_cancellation_storm_leaves_only_the_fence_counter(
+    clients: list[redis.asyncio.Redis], kind: Kind
+) -> None:
+    rng = random.Random(f"storm-{kind}")
+    name = f"storm-{kind}"
+    sides = [side for client in clients for side in make_sides(client, kind, name, ttl=5)]
+    outcomes: dict[str, Counter[str]] = {method: Counter() for method in METHODS}
+
+    async def attempt(method: str) -> None:
+        outcomes[method][await METHODS[method](rng.choice(sides), rng)] += 1
+
+    started = time.monotonic()
+    for _ in range(ATTEMPTS // BATCH):
+        batch = [attempt(rng.choice(list(METHODS))) for _ in range(BATCH)]
+        await asyncio.wait_for(asyncio.gather(*batch), 30)
+    elapsed = time.monotonic() - started
+
+    total = sum(sum(counts.values()) for counts in outcomes.values())
+    cancelled = sum(counts["cancelled"] for counts in outcomes.values())
+    swallowed = sum(counts["swallowed"] for counts in outcomes.values())
+    orphans = await leftovers(clients[0], kind, name)
+    parked = [len(context_for(client).waitqueue) for client in clients]
+    stats = [side.lock.statistics() for side in sides]
+    record(
+        "5 cancellation storm",
+        trials=cancelled,
+        violations=swallowed,
+        orphaned=len(orphans),
+        note=f"{kind}: {total} acquisitions in {elapsed:.1f} s, {cancelled} cancelled: "
+        + ", ".join(f"{m} {c['cancelled']}/{sum(c.values())}" for m, c in outcomes.items()),
+    )
+    assert total == ATTEMPTS
+    assert swallowed == 0, outcomes  # a cancelled acquisition never returns normally
+    assert all(counts["cancelled"] > 0 for counts in outcomes.values()), outcomes
+    assert sum(counts["completed"] for counts in outcomes.values()) > 0, outcomes
+    assert orphans == {}
+    assert parked == [0, 0]
+    assert all(s.held_here == 0 and s.tasks_waiting == 0 for s in stats), stats
+    fresh = make_sides(clients[1], kind, name, ttl=5)[-1].lock  # exclusive where there is one
+    assert await fresh.acquire(blocking=False)  # at once: nothing stuck ahead of it
+    await fresh.release()
