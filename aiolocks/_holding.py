@@ -46,25 +46,38 @@ DEFAULT_TTL = 30.0
 LostCallback = Callable[[LockLost], object]
 
 
+# The longest lease: its end in server milliseconds must stay exact in Lua's numbers.
+MAX_TTL = 1e9
+
+
+def _seconds(value: object, what: str, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be {expected}, not {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} is too large: {value!r}") from None
+
+
 def validate_timeout(timeout: object, what: str = "timeout") -> float | None:
-    """Return `timeout` as seconds (None = wait forever); raise on a bad value."""
+    """Return `timeout` as seconds (None = wait forever, as is `inf`); raise on a bad value."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds or None, not {type(timeout).__name__}")
-    if math.isnan(timeout) or timeout < 0:
+    seconds = _seconds(timeout, what, "a number of seconds or None")
+    if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{what} must be >= 0, got {timeout!r}")
-    return float(timeout)
+    return None if math.isinf(seconds) else seconds
 
 
 def _validate_ttl(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl <= 0:
+    seconds = _seconds(ttl, "ttl", "a number of seconds")
+    if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
-    if ttl < 0.01:
+    if seconds < 0.01:
         raise ValueError(f"ttl must be at least 0.01 s (renewal runs every ttl/3), got {ttl!r}")
-    return float(ttl)
+    if seconds > MAX_TTL:
+        raise ValueError(f"ttl must be at most {MAX_TTL:g} s, got {ttl!r}")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)

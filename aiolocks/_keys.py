@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PREFIX", "KeySpace", "validate_name", "validate_prefix"]
+__all__ = ["DEFAULT_PREFIX", "MAX_NAME_BYTES", "KeySpace", "validate_name", "validate_prefix"]
 
 DEFAULT_PREFIX = "aiolocks"
+# A name is part of every key and channel of its primitive (and of every grant message's
+# routing); a longer one is almost surely a mistake, such as a payload passed as the name.
+MAX_NAME_BYTES = 1024
 
 
 def validate_name(name: object, what: str = "name") -> str:
@@ -19,6 +22,13 @@ def validate_name(name: object, what: str = "name") -> str:
         raise ValueError(
             f"{what} {name!r} must not contain '{{' or '}}' (they delimit the hash tag)"
         )
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError as exc:
+        reason = f"{exc.reason} at index {exc.start}"
+        raise ValueError(f"{what} must be encodable as UTF-8: {reason}") from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"{what} is too long: {size} bytes in UTF-8, at most {MAX_NAME_BYTES}")
     return name
 
 

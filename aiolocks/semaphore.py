@@ -34,11 +34,18 @@ class SemaphoreInfo:
     fence: int  # the last fencing token handed out (0: never acquired)
 
 
+# The largest limit: stored and compared exactly by the Lua scripts (numbers are doubles,
+# written with 14 significant digits).
+MAX_LIMIT = 2**31 - 1
+
+
 def _validate_limit(limit: object) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise TypeError(f"limit must be an int, not {type(limit).__name__}")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if limit > MAX_LIMIT:
+        raise ValueError(f"limit must be at most {MAX_LIMIT}, got {limit}")
     return limit
 
 

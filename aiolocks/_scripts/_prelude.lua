@@ -10,6 +10,27 @@
 -- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 
+-- Refuse, before any write, keys that hold something else than the script expects (another
+-- program's data under aiolocks' names): such a call fails and changes nothing. `types`
+-- gives, per KEYS index, 'string', 'list', 'zset', 'hash', or 'counter' (an integer string).
+local function check_keys(types)
+  for i, want in ipairs(types) do
+    local got = redis.call('TYPE', KEYS[i])['ok']
+    if got ~= 'none' then
+      local base = want
+      if want == 'counter' then
+        base = 'string'
+      end
+      if got ~= base then
+        error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a ' .. got .. ', not a ' .. base})
+      end
+      if want == 'counter' and not tonumber(redis.call('GET', KEYS[i])) then
+        error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number'})
+      end
+    end
+  end
+end
+
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

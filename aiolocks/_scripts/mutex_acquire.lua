@@ -8,6 +8,7 @@
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
 --         {0, pttl} when queued behind a holder with pttl ms of lease left,
 --         {-1, pttl} when busy and the caller did not queue.
+check_keys({'string', 'list', 'zset', 'counter'})
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag = split_member(member)

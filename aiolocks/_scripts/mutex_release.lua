@@ -5,6 +5,7 @@
 -- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
 -- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head.
+check_keys({'string', 'list', 'zset', 'counter'})
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, channel = ARGV[1], ARGV[2]
 local token, _, tag = split_member(member)

@@ -4,6 +4,7 @@
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:r|w"   ARGV[2] 'wait' | 'try'   ARGV[3] channel
 -- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, grants...}
 -- queued, {-1, wait_ms, grants...} busy and not queued.
+check_keys({'string', 'zset', 'list', 'zset', 'counter', 'hash'})
 local k = rw_keys()
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag, kind = split_member(member)

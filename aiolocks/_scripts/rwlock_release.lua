@@ -2,6 +2,7 @@
 -- Also the cancellation clean-up: whatever state the token reached, it leaves none.
 -- KEYS as rwlock_acquire.   ARGV[1] member   ARGV[2] channel
 -- Returns {held, grants...}: held 1 if the caller held a live lease of its side.
+check_keys({'string', 'zset', 'list', 'zset', 'counter', 'hash'})
 local k = rw_keys()
 local member, channel = ARGV[1], ARGV[2]
 local token, _, tag, kind = split_member(member)

@@ -7,6 +7,7 @@
 -- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, grants...}
 -- queued, {-1, wait_ms, grants...} busy and not queued, {-2, stored_limit} the name is
 -- stored with another limit (nothing changed). grants: token, fence, ttl of others granted.
+check_keys({'zset', 'list', 'zset', 'counter', 'hash', 'counter'})
 local k = sem_keys()
 local member, mode, channel, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local token, ttl, tag = split_member(member)

@@ -3,6 +3,7 @@
 -- KEYS as semaphore_acquire.   ARGV[1] member   ARGV[2] channel   ARGV[3] the caller's limit
 -- Returns {held, grants...}: held 1 if the caller held a live permit; grants: token,
 -- fence, ttl of each waiter given a permit.
+check_keys({'zset', 'list', 'zset', 'counter', 'hash', 'counter'})
 local k = sem_keys()
 local member, channel = ARGV[1], ARGV[2]
 local token, _, tag = split_member(member)
