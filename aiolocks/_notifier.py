@@ -92,7 +92,11 @@ class Notifier:
         channel = self._channels.get(wake)
         if channel is None:
             keyspace = None
-            if watch_key is not None and await self._keyspace_on():
+            try:
+                keyspace_on = watch_key is not None and await self._keyspace_on()
+            except (redis.exceptions.RedisError, OSError):
+                keyspace_on = False  # not known now; asked again by the next new channel
+            if keyspace_on and watch_key is not None:
                 keyspace = b"__keyspace@%d__:%s" % (self._db, watch_key)
             channel = self._channels.get(wake)  # another task may have created it meanwhile
             if channel is None:
@@ -161,8 +165,11 @@ class Notifier:
     async def _ask_keyspace(self) -> bool:
         try:
             reply = await self._client.config_get("notify-keyspace-events")
-        except redis.exceptions.RedisError:
-            return True  # CONFIG may be disabled: subscribe anyway, it costs little
+        except redis.exceptions.ResponseError:
+            # CONFIG denied (a least-privilege ACL user, whose keyspace channels would be
+            # denied too) or renamed away: treat notifications as off; waiters still wake on
+            # grant messages and on their timers.
+            return False
         flags = str(next(iter(reply.values()), "") if reply else "")
         return "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
 
