@@ -324,7 +324,7 @@ async def test_random_drops_stalls_and_latency_during_a_contended_run(
     fault_times: list[float] = []
     try:
         logs = {kind: HistoryLog(direct, f"chaos-{kind}") for kind in KINDS}
-        run = Contention(iterations=20, hold=0.01, seed=11)
+        run = Contention(iterations=12, hold=0.01, seed=11)
         workers = [
             (
                 make_sides(client, kind, f"chaos-{kind}", ttl=2, timeout=30),
