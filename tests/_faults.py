@@ -16,7 +16,7 @@ import redis.asyncio
 import redis.exceptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-from _history import HistoryLog
+from _history import HistoryLog, check
 
 from aiolocks import (
     LockLost,
@@ -30,10 +30,12 @@ from aiolocks._holding import LeasedLock
 
 __all__ = [
     "KINDS",
+    "Audit",
     "Contention",
     "Kind",
     "Side",
     "aiolocks_keys",
+    "audit",
     "close_client",
     "leftovers",
     "make_sides",
@@ -199,3 +201,34 @@ async def close_client(client: redis.asyncio.Redis) -> None:
     for context in list(getattr(client, "_aiolocks_contexts", {}).values()):
         await context.aclose()
     await client.aclose()
+
+
+@dataclass
+class Audit:
+    """What `audit` found after a run."""
+
+    problems: list[str]
+    orphaned: int  # keys left that should be gone
+    holdings: int  # logged holdings, all primitives
+    settle_times: list[float]  # seconds each primitive took to settle
+
+
+async def audit(
+    client: redis.asyncio.Redis, names: dict[Kind, str], *, settle_timeout: float = 10.0
+) -> Audit:
+    """After a run over `names` (kind -> name, each logged in a `HistoryLog` of that name):
+    check every history (2 permits for the semaphore), settle every primitive, then look
+    for orphaned keys."""
+    found = Audit([], 0, 0, [])
+    for kind, name in names.items():
+        log = HistoryLog(client, name)
+        entries = await log.entries()
+        found.holdings += len(entries)
+        found.problems += [
+            f"{kind}: {problem}" for problem in check(entries, limit=2, counter=await log.counter())
+        ]
+        found.settle_times.append(await settle(client, kind, name, timeout=settle_timeout))
+        orphans = await leftovers(client, kind, name)
+        found.orphaned += len(orphans)
+        found.problems += [f"{kind}: orphaned {orphans}"] if orphans else []
+    return found

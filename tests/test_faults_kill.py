@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import KINDS, Contention, close_client, leftovers, make_sides, settle
-from _history import HistoryLog, check
+from _faults import KINDS, Contention, Kind, audit, close_client, make_sides
+from _history import HistoryLog
 from _servers import ServerProcess
 from conftest import VARIANTS, ServerPool
 from redis.asyncio.retry import Retry
@@ -55,7 +55,7 @@ async def test_client_kill_at_random_during_a_contended_run(
     ]
     kills: list[tuple[float, int]] = []  # (monotonic, client index)
     try:
-        names = {kind: f"kill-{victims}-{kind}" for kind in KINDS}
+        names: dict[Kind, str] = {kind: f"kill-{victims}-{kind}" for kind in KINDS}
         logs = {kind: HistoryLog(admin, names[kind]) for kind in KINDS}
         run = Contention(iterations=25, hold=0.005, seed=3)
         workers = [
@@ -83,15 +83,7 @@ async def test_client_kill_at_random_during_a_contended_run(
         started = time.monotonic()
         await run.run(workers, chaos)
         elapsed = time.monotonic() - started
-        problems: list[str] = []
-        orphaned = 0
-        for kind in KINDS:
-            entries = await logs[kind].entries()
-            problems += check(entries, limit=2, counter=await logs[kind].counter())
-            await settle(admin, kind, names[kind])
-            orphans = await leftovers(admin, kind, names[kind])
-            orphaned += len(orphans)
-            problems += [f"{kind}: orphaned {orphans}"] if orphans else []
+        found = await audit(admin, names)
         # Recovery: from a kill to the next grant to a task of the client that was hit.
         recover = []
         for at, index in kills:
@@ -101,13 +93,13 @@ async def test_client_kill_at_random_during_a_contended_run(
         record(
             f"2 CLIENT KILL {victims}",
             trials=len(kills),
-            violations=len(problems),
-            orphaned=orphaned,
+            violations=len(found.problems),
+            orphaned=found.orphaned,
             recover=recover,
             note=f"{kill_server.name}: {len(kills)} kills in {elapsed:.1f} s, "
             f"{run.completed} holdings; lost {run.lost}, unavailable {run.unavailable}",
         )
-        assert problems == []
+        assert found.problems == []
         assert run.completed == len(workers) * run.iterations
         assert kills, "the chaos task never killed anything"
     finally:

@@ -152,14 +152,18 @@ class LockModel(RuleBasedStateMachine):
     def eligible(self, state: str) -> list[int]:
         return [a.index for a in self.actors if a.state == state]
 
+    def pick(self, data: st.DataObject, state: str) -> Actor:
+        """One of the actors in `state`, chosen by hypothesis; counts the step."""
+        self.steps += 1
+        return self.actors[data.draw(st.sampled_from(self.eligible(state)))]
+
     # -- rules ----------------------------------------------------------------------------
 
     @rule(data=st.data(), blocking=st.booleans(), read=st.booleans())
     @precondition(lambda self: bool(self.eligible("idle")))
     def acquire(self, data: st.DataObject, blocking: bool, read: bool) -> None:
-        actor = self.actors[data.draw(st.sampled_from(self.eligible("idle")))]
+        actor = self.pick(data, "idle")
         actor.side = ("r" if read else "w") if self.kind == "rwlock" else "x"
-        self.steps += 1
         self.run(self._acquire(actor, blocking))
 
     async def _acquire(self, actor: Actor, blocking: bool) -> None:
@@ -182,8 +186,7 @@ class LockModel(RuleBasedStateMachine):
     @rule(data=st.data())
     @precondition(lambda self: bool(self.eligible("holding")))
     def release(self, data: st.DataObject) -> None:
-        actor = self.actors[data.draw(st.sampled_from(self.eligible("holding")))]
-        self.steps += 1
+        actor = self.pick(data, "holding")
         self.run(self._release(actor))
 
     async def _release(self, actor: Actor) -> None:
@@ -200,8 +203,7 @@ class LockModel(RuleBasedStateMachine):
     @rule(data=st.data())
     @precondition(lambda self: bool(self.eligible("waiting")))
     def cancel(self, data: st.DataObject) -> None:
-        actor = self.actors[data.draw(st.sampled_from(self.eligible("waiting")))]
-        self.steps += 1
+        actor = self.pick(data, "waiting")
         self.run(self._cancel(actor))
 
     async def _cancel(self, actor: Actor) -> None:
@@ -239,8 +241,7 @@ class LockModel(RuleBasedStateMachine):
     @rule(data=st.data())
     @precondition(lambda self: bool(self.eligible("holding")))
     def renew(self, data: st.DataObject) -> None:
-        actor = self.actors[data.draw(st.sampled_from(self.eligible("holding")))]
-        self.steps += 1
+        actor = self.pick(data, "holding")
         self.run(self._renew(actor))
 
     async def _renew(self, actor: Actor) -> None:

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import KINDS, leftovers, settle
-from _history import HistoryLog, check
+from _faults import KINDS, audit
 from _servers import ServerProcess
 from _workers import Spawn, Worker
 
@@ -130,14 +129,10 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
             await t.reader
             assert t.last == "finished", t.events[-3:]
 
+        # Queue entries left now belong to dead processes, and live ttl past death at most.
         problems: list[str] = []
         dead_tags = {kill.tag: kill.wall_ms for kill in kills}
         for kind in KINDS:
-            log = HistoryLog(admin, f"{name}-{kind}")
-            problems += [f"{kind}: {p}" for p in check(
-                await log.entries(), limit=2, counter=await log.counter()
-            )]  # fmt: skip
-            # Queue entries left now belong to dead processes, and live ttl past death at most.
             key = f"aiolocks:{kind}:{{{name}-{kind}}}:waiters"
             waiters: list[Any] = await admin.zrange(key, 0, -1, withscores=True)
             for member, deadline in waiters:
@@ -146,14 +141,10 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
                     problems.append(f"{kind}: queue entry {member!r} of a live process left")
                 elif deadline > dead_tags[tag] + TTL * 1000 + 5:
                     problems.append(f"{kind}: {member!r} lives past its last heartbeat + ttl")
-        settle_times = [
-            await settle(admin, kind, f"{name}-{kind}", timeout=5 * TTL) for kind in KINDS
-        ]
-        orphaned = 0
-        for kind in KINDS:
-            orphans = await leftovers(admin, kind, f"{name}-{kind}")
-            orphaned += len(orphans)
-            problems += [f"{kind}: orphaned {orphans}"] if orphans else []
+        found = await audit(
+            admin, {kind: f"{name}-{kind}" for kind in KINDS}, settle_timeout=5 * TTL
+        )
+        problems += found.problems
 
         # Recovery after a holder died: until the next holding of that primitive began.
         recover: dict[int, float] = {}
@@ -167,19 +158,16 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
             if kill.kind is not None and next_held:
                 recover[number] = min(next_held) - kill.at
         mutex_recover = [t for n, t in recover.items() if kills[n].kind == "mutex"]
-        holdings = 0
-        for kind in KINDS:
-            holdings += len(await HistoryLog(admin, f"{name}-{kind}").entries())
         record(
             "4 SIGKILL of holder/waiter processes",
             trials=len(kills),
             violations=len(problems),
-            orphaned=orphaned,
+            orphaned=found.orphaned,
             recover=list(recover.values()),
-            note=f"{len(tracked)} processes, {holdings} holdings; after a mutex holder died "
+            note=f"{len(tracked)} processes, {found.holdings} holdings; after a mutex holder died "
             f"the next got in after {[round(t * 1000) for t in mutex_recover]} ms (ttl "
             f"{TTL:g} s; a semaphore or RW holder's death may leave another permit free); "
-            f"settling after the run took {statistics.median(settle_times) * 1000:.0f} ms median",
+            f"settling took {statistics.median(found.settle_times) * 1000:.0f} ms median",
         )
         assert problems == []
         assert len(recover) == KILLS // 2

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import KINDS, Contention, Kind, close_client, leftovers, make_sides, settle
-from _history import HistoryLog, check
+from _faults import KINDS, Contention, Kind, audit, close_client, leftovers, make_sides
+from _history import HistoryLog
 from _probes import QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
@@ -358,26 +358,18 @@ async def test_random_drops_stalls_and_latency_during_a_contended_run(
         elapsed = time.monotonic() - started
         proxy.resume()
         proxy.latency = 0.0
-        problems: list[str] = []
-        orphaned = 0
-        for kind in KINDS:
-            entries = await logs[kind].entries()
-            problems += check(entries, limit=2, counter=await logs[kind].counter())
-            await settle(direct, kind, f"chaos-{kind}")
-            orphans = await leftovers(direct, kind, f"chaos-{kind}")
-            orphaned += len(orphans)
-            problems += [f"{kind}: orphaned {orphans}"] if orphans else []
+        found = await audit(direct, {kind: f"chaos-{kind}" for kind in KINDS})
         gaps = _recovery(fault_times, [at for _, at in run.grants])
         record(
             "1 proxy: random drops/stalls/latency",
             trials=sum(faults.values()),
-            violations=len(problems),
-            orphaned=orphaned,
+            violations=len(found.problems),
+            orphaned=found.orphaned,
             recover=gaps,
             note=f"faults {faults} in {elapsed:.1f} s; {run.completed} holdings; lost "
             f"{run.lost}, unavailable {run.unavailable}, timeouts {run.timeouts}",
         )
-        assert problems == []
+        assert found.problems == []
         assert run.completed == len(workers) * run.iterations
     finally:
         for client in proxied:
