@@ -1,7 +1,7 @@
 """Cancellation that a library below us swallowed is delivered again.
 
 On Python 3.11, `asyncio.wait_for` returns the result and drops a cancellation that
-arrives in the same loop iteration as the result (CPython gh-86296, fixed in 3.12), and
+arrives in the same loop iteration as the result (fixed in Python 3.12), and
 redis-py awaits it around every socket write when the client has a `socket_timeout`. A
 cancelled acquire would then return normally, and `asyncio.timeout` would not fire. The
 engine counts the task's pending cancellation requests before such a call and, if one
@@ -11,6 +11,9 @@ arrived and was not delivered, raises `CancelledError` itself.
 from __future__ import annotations
 
 import asyncio
+import math
+
+import anyio
 
 __all__ = ["pending", "redeliver"]
 
@@ -24,6 +27,11 @@ def pending() -> int:
 
 def redeliver(before: int) -> None:
     """Raise `CancelledError` if a cancellation was requested since `pending()` returned
-    `before` but the awaited call returned normally instead of raising it."""
-    if pending() > before:
+    `before` but the awaited call returned normally instead of raising it.
+
+    Not when an anyio cancel scope around us is cancelled: anyio delivers its cancellation
+    again at the next await by itself, with the message its scope recognises (a bare
+    `CancelledError` would escape the scope).
+    """
+    if pending() > before and anyio.current_effective_deadline() != -math.inf:
         raise asyncio.CancelledError
