@@ -447,3 +447,16 @@ async def test_an_infinite_timeout_means_no_timeout(client: redis.asyncio.Redis)
         assert await RedisMutex(client, N).acquire(blocking=False) is False
     assert await mutex.acquire(timeout=INF)
     await mutex.release()
+
+
+async def test_a_closed_client_is_reopened_by_redis_py(client: redis.asyncio.Redis) -> None:
+    """Not bad input either: redis-py opens new connections for a client used after
+    `aclose()`, so its locks keep working (and keep their guarantees)."""
+    mutex = RedisMutex(client, N)
+    assert await mutex.acquire()
+    await client.aclose()
+    assert await RedisMutex(client, N).acquire(blocking=False) is False  # still held
+    await mutex.release()
+    fresh = RedisMutex(client, N)
+    assert await fresh.acquire(blocking=False)
+    await fresh.release()
