@@ -262,9 +262,8 @@ async def spawn() -> AsyncIterator[Spawn]:
 async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, int]) -> None:
     """Acquire `lock` and cancel the attempt at a random point: before it starts, or within
     0..4 ms (in flight, queued, or granted with the grant unread), or for a tenth of them
-    within 0..50 ms. A grant that won the race
-    is held briefly and released (adopting the finished task's holding). Counts outcomes
-    under "acquired" and "cancelled"."""
+    within 0..50 ms. A grant that won the race is held briefly and released (adopting the
+    finished task's holding). Counts outcomes under "acquired" and "cancelled"."""
     task = asyncio.create_task(lock.acquire())
     roll = rng.random()
     if roll > 0.2:
