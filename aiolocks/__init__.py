@@ -15,6 +15,7 @@ from ._errors import ServerUnavailable as ServerUnavailable
 from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
+from .registry import RedisRegistry as RedisRegistry
 from .rwlock import ReadLock as ReadLock
 from .rwlock import RedisReadWriteLock as RedisReadWriteLock
 from .rwlock import RWLockInfo as RWLockInfo
@@ -35,6 +36,7 @@ __all__ = (
     "ReadLock",
     "RedisMutex",
     "RedisReadWriteLock",
+    "RedisRegistry",
     "RedisSemaphore",
     "SemaphoreInfo",
     "ServerUnavailable",

@@ -13,7 +13,9 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.client import NEVER_DECODE
 
+from ._coalesce import Coalescer
 from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
@@ -69,6 +71,8 @@ class ClientContext:
         self.keeper = LeaseKeeper(self)
         pool_limit = getattr(client.connection_pool, "max_connections", _MAX_IN_FLIGHT + 2)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
+        # Registries' coalesced register() calls, by the registry's ids key.
+        self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
 
@@ -82,6 +86,20 @@ class ClientContext:
                 self.commands_sent += 2
                 await self._execute("SCRIPT", "LOAD", script.source)
                 return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def call(self, *args: Any) -> Any:
+        """Send one plain command within the in-flight bound; bulk replies stay bytes."""
+        async with self._slots:
+            return await self._execute(*args, **{NEVER_DECODE: True})
+
+    async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
+        async with self._slots:
+            pipe = self.client.pipeline(transaction=False)
+            for args in commands:
+                pipe.execute_command(*args, **{NEVER_DECODE: True})
+            results: list[Any] = await pipe.execute()
+        return results
 
     async def pipeline(
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
