@@ -36,10 +36,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The mutex benchmark: `nox -s bench -- <benchmark options>`."""
+    """The benchmarks (mutex, semaphore/RW lock, registry): `nox -s bench -- <benchmark options>`."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
     session.run("python", "benchmarks/bench_primitives.py")
+    session.run("python", "benchmarks/bench_registry.py")
 
 
 @nox.session

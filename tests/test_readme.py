@@ -13,6 +13,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 EXPECTED = [
     r"charging, fence \d+\n",
     r"calling the API, fence \d+\nreading\nwriting\n",
+    r"alice \{1\}\n\[2, 3, 2\]\nalice 3\n",
 ]
 
 
