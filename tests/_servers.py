@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio
 
@@ -39,6 +39,7 @@ __all__ = [
     "available_kinds",
     "binary_path",
     "command_count",
+    "execute",
     "free_port",
     "run_workers",
 ]
@@ -173,6 +174,11 @@ class ServerProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def log_path(self) -> Path | None:
+        """The file the server writes its stdout/stderr to, or None when stopped."""
+        return None if self._dir is None else self._dir / "server.log"
+
     def log(self) -> str:
         """Everything the server wrote to stdout/stderr so far (empty once stopped)."""
         if self._dir is None:
@@ -292,6 +298,12 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 def _stop_all_servers() -> None:
     for server in list(_live.values()):
         server.stop()
+
+
+def execute(client: Any) -> Callable[..., Any]:
+    """``client.execute_command`` of any redis-py client, typed (redis-py leaves it untyped)."""
+    run: Callable[..., Any] = client.execute_command
+    return run
 
 
 async def command_count(client: redis.asyncio.Redis, names: Iterable[str] | None = None) -> int:

@@ -21,10 +21,13 @@ from typing import Any, TypeVar
 import fakeredis
 import pytest
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cluster import Cluster
 from _probes import QueueProbe
+from _sentinel import SentinelGroup
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
 from _workers import Spawn, spawner
 
@@ -277,3 +280,85 @@ async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, i
     if got:
         await asyncio.sleep(rng.random() * 0.002)
         await lock.release()
+
+
+# -- Redis Cluster and Sentinel (issue 6) ---------------------------------------------------
+# `cluster`: a 3-primary cluster per server kind, started on first use and kept for the session
+# (~2 s). `cluster_r`: a RedisCluster client on it after FLUSHALL on every node.
+# `sentinel_group`: a fresh primary + replica + 3 sentinels per test (~0.3 s).
+
+CLUSTER_VARIANTS: list[str] = [f"{kind}-cluster" for kind in KINDS]
+SENTINEL_VARIANTS: list[str] = [f"{kind}-sentinel" for kind in KINDS]
+
+
+def _variant_binary(variant: str) -> tuple[ServerKind, str]:
+    kinds: dict[str, ServerKind] = {"valkey": "valkey", "redis": "redis"}
+    kind = kinds[variant.partition("-")[0]]
+    binary = binary_path(kind)
+    if binary is None:
+        pytest.skip(f"{variant}: no {kind} server binary installed")
+    return kind, binary
+
+
+class ClusterPool:
+    """Starts each kind's cluster on first use; forms a new one if a node has died."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[str, Cluster] = {}
+
+    def get(self, variant: str) -> Cluster:
+        cluster = self._clusters.get(variant)
+        if cluster is None or not cluster.running:
+            if cluster is not None:
+                cluster.stop()
+            kind, binary = _variant_binary(variant)
+            cluster = self._clusters[variant] = Cluster(binary, kind=kind).start()
+        return cluster
+
+    def stop_all(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.stop()
+        self._clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool() -> Iterator[ClusterPool]:
+    pool = ClusterPool()
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(params=CLUSTER_VARIANTS, ids=CLUSTER_VARIANTS)
+def cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> Cluster:
+    """A running shared 3-primary cluster (``valkey-cluster``, ``redis-cluster``)."""
+    variant: str = request.param
+    return cluster_pool.get(variant)
+
+
+@pytest.fixture
+async def cluster_r(cluster: Cluster) -> AsyncIterator[RedisCluster]:
+    """An initialized RedisCluster client after FLUSHALL on every node; closed afterwards."""
+    await cluster.flushall()
+    client = cluster.client()
+    try:
+        await client.initialize()
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(params=SENTINEL_VARIANTS, ids=SENTINEL_VARIANTS)
+async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
+    """A fresh primary, one replica and three sentinels per test (``valkey-sentinel``,
+    ``redis-sentinel``); its clients are closed and its servers stopped at teardown."""
+    kind, binary = _variant_binary(request.param)
+    group = SentinelGroup(binary, kind=kind).start()
+    try:
+        yield group
+    finally:
+        try:
+            await group.aclose_clients()
+        finally:
+            group.stop()
