@@ -9,6 +9,7 @@ batches, ``SETSLOT NODE`` everywhere). Start and stop from the main thread (see 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -63,6 +64,7 @@ class Cluster:
         ]
         self.ids: list[str] = []
         self._owner: list[int] = []  # slot -> index into nodes
+        self._broken = False  # a migrate_slot failed half-way: form a new cluster
         self.startup_seconds = 0.0  # how long the last start() took
 
     def __repr__(self) -> str:
@@ -74,7 +76,8 @@ class Cluster:
 
     @property
     def running(self) -> bool:
-        return bool(self.ids) and all(node.running for node in self.nodes)
+        """Formed, every node up, and no slot move left half-done."""
+        return bool(self.ids) and not self._broken and all(node.running for node in self.nodes)
 
     @property
     def urls(self) -> list[str]:
@@ -121,7 +124,18 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
-        self.ids, self._owner = [], []
+        self.ids, self._owner, self._broken = [], [], False
+
+    async def restart_node(self, node: ServerProcess, timeout: float = FORM_TIMEOUT) -> None:
+        """Restart ``node`` on its port with its ``nodes.conf`` (same id and slots, no data:
+        a crash that loses the node's keys) and wait until it reports the cluster ok again.
+
+        The restart blocks the loop briefly (stop, spawn, PING); the wait for the log line
+        (over 2 s, the server's own delay) runs in a thread, so other tasks keep running.
+        """
+        node.restart(keep_dir=True)
+        watch = LogWatch(node, from_start=True)
+        await asyncio.to_thread(watch.wait, STATE_OK, timeout)
 
     def _check_slot_map(self, client: redis.Redis) -> None:
         """Assert that ``client``'s node reports exactly our slot map (CLUSTER SLOTS)."""
@@ -192,6 +206,7 @@ class Cluster:
             if on_step is not None:
                 await on_step(name)
 
+        self._broken = True  # until the move completes
         try:
             await on_target("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
             await step("importing")
@@ -205,6 +220,7 @@ class Cluster:
             for node in (to_node, source, *others):
                 await execute(clients[node.port])("CLUSTER", "SETSLOT", slot, "NODE", target_id)
             self._owner[slot] = self.nodes.index(to_node)
+            self._broken = False
         finally:
             for client in clients.values():
                 await client.aclose()

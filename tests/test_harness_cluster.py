@@ -191,6 +191,24 @@ async def test_slot_move_unsubscribes_sharded_subscribers(
         await cluster.migrate_slot(slot, source)
 
 
+async def test_restart_node_keeps_its_id_and_slots_but_not_its_keys(
+    cluster: Cluster, cluster_r: RedisCluster
+) -> None:
+    node = cluster.nodes[2]
+    (name,) = names_on_each_node(cluster, 1, prefix="restart")[2]
+    await cluster_r.set(f"x:{{{name}}}", "lost in the crash")
+    await cluster.restart_node(node)
+    assert cluster.running
+    async with node_client(node) as client:
+        assert await execute(client)("CLUSTER", "MYID") == cluster.ids[2].encode()
+        info = await execute(client)("CLUSTER INFO")
+        assert info["cluster_state"] == "ok", info
+        assert await client.dbsize() == 0
+    assert await cluster_r.get(f"x:{{{name}}}") is None  # the client reconnects by itself
+    await cluster_r.set(f"x:{{{name}}}", "after")
+    assert await cluster_r.get(f"x:{{{name}}}") == b"after"
+
+
 def test_log_watch_times_out_on_a_line_never_logged(
     server_factory: Any,
 ) -> None:
