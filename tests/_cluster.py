@@ -64,7 +64,7 @@ class Cluster:
         ]
         self.ids: list[str] = []
         self._owner: list[int] = []  # slot -> index into nodes
-        self._broken = False  # a migrate_slot failed half-way: form a new cluster
+        self._broken = False  # a slot move or node restart broke off: form a new cluster
         self.startup_seconds = 0.0  # how long the last start() took
 
     def __repr__(self) -> str:
@@ -76,7 +76,7 @@ class Cluster:
 
     @property
     def running(self) -> bool:
-        """Formed, every node up, and no slot move left half-done."""
+        """Formed, every node up, and no slot move or node restart left half-done."""
         return bool(self.ids) and not self._broken and all(node.running for node in self.nodes)
 
     @property
@@ -133,9 +133,11 @@ class Cluster:
         The restart blocks the loop briefly (stop, spawn, PING); the wait for the log line
         (over 2 s, the server's own delay) runs in a thread, so other tasks keep running.
         """
+        self._broken = True  # until the node is back
         node.restart(keep_dir=True)
         watch = LogWatch(node, from_start=True)
         await asyncio.to_thread(watch.wait, STATE_OK, timeout)
+        self._broken = False
 
     def _check_slot_map(self, client: redis.Redis) -> None:
         """Assert that ``client``'s node reports exactly our slot map (CLUSTER SLOTS)."""
@@ -160,6 +162,7 @@ class Cluster:
         return self.owner(key_slot(name.encode() if isinstance(name, str) else name))
 
     def slots_of(self, node: ServerProcess) -> Iterator[int]:
+        """The slots ``node`` owns now, in order."""
         index = self.nodes.index(node)
         return (slot for slot, owner in enumerate(self._owner) if owner == index)
 

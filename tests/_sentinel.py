@@ -13,7 +13,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,6 @@ class SentinelGroup:
         self.sentinels: list[SentinelProcess] = []
         self._replica_count = replicas
         self._notify = notify
-        self._stopped: list[ServerProcess] = []  # killed primaries, cleaned up by stop()
         self._clients: list[redis.asyncio.Redis] = []
         self._sentinel_clients: list[Sentinel] = []
         self.startup_seconds = 0.0
@@ -108,6 +107,10 @@ class SentinelGroup:
     def start(self) -> SentinelGroup:
         """Start everything and wait until the sentinels know the replicas and each other."""
         began = time.monotonic()
+
+        def remaining() -> float:
+            return READY_TIMEOUT - (time.monotonic() - began)
+
         try:
             self.primary.start()
             replica_args = [*_DATA_ARGS, "--replicaof", HOST, str(self.primary.port)]
@@ -118,7 +121,7 @@ class SentinelGroup:
                 for _ in range(self._replica_count)
             ]
             for replica in self.replicas:
-                LogWatch(replica, from_start=True).wait(SYNCED, READY_TIMEOUT)
+                LogWatch(replica, from_start=True).wait(SYNCED, remaining())
             self.sentinels = [
                 SentinelProcess(self.binary, kind=self.kind, primary_port=self.primary.port)
                 for _ in range(SENTINELS)
@@ -129,10 +132,9 @@ class SentinelGroup:
                     execute(client)("SENTINEL", "DEBUG", *_DEBUG_PERIODS)
             for sentinel in self.sentinels:
                 watch = LogWatch(sentinel, from_start=True)
-                remaining = READY_TIMEOUT - (time.monotonic() - began)
-                watch.wait("+sentinel sentinel ", remaining, count=SENTINELS - 1)
+                watch.wait("+sentinel sentinel ", remaining(), count=SENTINELS - 1)
                 for replica in self.replicas:
-                    watch.wait(f"+slave slave {HOST}:{replica.port} ", remaining)
+                    watch.wait(f"+slave slave {HOST}:{replica.port} ", remaining())
         except BaseException:
             self.stop()
             raise
@@ -140,7 +142,7 @@ class SentinelGroup:
         return self
 
     def stop(self) -> None:
-        for server in (*self.sentinels, self.primary, *self.replicas, *self._stopped):
+        for server in (*self.sentinels, self.primary, *self.replicas):
             server.stop()
 
     # -- clients ------------------------------------------------------------------------------
@@ -201,7 +203,6 @@ class SentinelGroup:
         if promoted is None:
             raise AssertionError(f"{self!r}: sentinels promoted unknown server {address}")
         old.stop()  # already dead: only reaps it and removes its directory
-        self._stopped.append(old)
         self.primary = promoted
         self.replicas.remove(promoted)
         self.failover_seconds = time.monotonic() - began
@@ -214,11 +215,8 @@ async def _switched_to(pubsub: redis.asyncio.client.PubSub) -> tuple[str, int]:
         message = await pubsub.get_message(timeout=None)
         if message is None or message["type"] != "message":
             continue
-        name, _old_host, _old_port, host, port = _fields(message["data"])
+        data = message["data"]
+        text = data.decode() if isinstance(data, bytes) else str(data)
+        name, _old_host, _old_port, host, port = text.split()
         if name == MASTER_NAME:
             return host, int(port)
-
-
-def _fields(data: Any) -> Sequence[str]:
-    text = data.decode() if isinstance(data, bytes) else str(data)
-    return text.split()
