@@ -67,7 +67,7 @@ class ClientContext:
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
         self._execute: Callable[..., Awaitable[Any]] = client.execute_command
         self.waitqueue = WaitQueue()
-        self.notifier = Notifier(client, self.waitqueue)
+        self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
         pool_limit = getattr(client.connection_pool, "max_connections", _MAX_IN_FLIGHT + 2)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))

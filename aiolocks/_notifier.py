@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio
@@ -20,6 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ._leases import cancelling
+from ._scripts import Script, load
 from ._waitqueue import WaitQueue
 
 __all__ = ["Notifier"]
@@ -33,6 +36,17 @@ _LINGER = 30.0
 # Longest wait for a subscription to be confirmed before a waiter proceeds on its timer.
 _CONFIRM_BOUND = 1.0
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
+_PUBSUB_MODE = load("pubsub_mode")
+
+RunScript = Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _ServerFacts:
+    """What the notifier must know of the server before its first subscription."""
+
+    sharded: bool  # grants are SPUBLISHed: subscribe with SSUBSCRIBE
+    keyspace: bool  # keyspace events for generic and expired keys are on
 
 
 class _Channel:
@@ -49,16 +63,18 @@ class _Channel:
 class Notifier:
     """Routes pub/sub messages for one client into its `WaitQueue`."""
 
-    def __init__(self, client: redis.asyncio.Redis, waitqueue: WaitQueue) -> None:
+    def __init__(self, client: redis.asyncio.Redis, waitqueue: WaitQueue, run: RunScript) -> None:
         self._client = client
         self._waitqueue = waitqueue
+        self._run = run
         self._pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
         self._channels: dict[bytes, _Channel] = {}
         self._by_keyspace: dict[bytes, bytes] = {}  # keyspace channel -> wake channel
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
-        self._keyspace_enabled: asyncio.Future[bool] | None = None
+        self._facts: asyncio.Future[_ServerFacts] | None = None
+        self._sharded = False  # set from the facts before the first subscription
         self._saved_retry: tuple[Any, Any] | None = None
 
     def watching(self, wake: bytes) -> bool:
@@ -80,8 +96,9 @@ class Notifier:
         """
         channel = self._channels.get(wake)
         if channel is None:
+            facts = await self._server_facts()
             keyspace = None
-            if watch_key is not None and await self._keyspace_on():
+            if watch_key is not None and facts.keyspace:
                 keyspace = b"__keyspace@%d__:%s" % (self._db, watch_key)
             channel = self._channels.get(wake)  # another task may have created it meanwhile
             if channel is None:
@@ -124,49 +141,63 @@ class Notifier:
             self._by_keyspace.pop(channel.keyspace, None)
             names.append(channel.keyspace)
         if self._pubsub is not None and channel.confirmed is not None:
-            task = asyncio.get_running_loop().create_task(self._unsubscribe(names))
+            task = asyncio.get_running_loop().create_task(self._unsubscribe(wake, channel.keyspace))
             task.add_done_callback(_ignore_result)
 
-    async def _keyspace_on(self) -> bool:
-        """Whether the server sends keyspace events for generic and expired keys; asked
-        once per client, however many waiters want to know at the same moment."""
-        if self._keyspace_enabled is None:
-            self._keyspace_enabled = asyncio.ensure_future(self._ask_keyspace())
-        asked = self._keyspace_enabled
+    async def _server_facts(self) -> _ServerFacts:
+        """Asked once per client, however many waiters want to know at the same moment."""
+        if self._facts is None:
+            self._facts = asyncio.ensure_future(self._ask_facts())
+        asked = self._facts
         try:
-            return await asyncio.shield(asked)
+            facts = await asyncio.shield(asked)
         except (redis.exceptions.RedisError, OSError):
-            if self._keyspace_enabled is asked:
-                self._keyspace_enabled = None  # ask again next time
+            if self._facts is asked:
+                self._facts = None  # ask again next time
             raise
+        self._sharded = facts.sharded
+        return facts
 
-    async def _ask_keyspace(self) -> bool:
+    async def _ask_facts(self) -> _ServerFacts:
+        # The scripts decide SPUBLISH or PUBLISH from the server's version: ask them.
+        sharded = bool(await self._run(_PUBSUB_MODE, (), ()))
         try:
             reply = await self._client.config_get("notify-keyspace-events")
         except redis.exceptions.RedisError:
-            return True  # CONFIG may be disabled: subscribe anyway, it costs little
+            # CONFIG may be disabled or denied: subscribe anyway, it costs little.
+            return _ServerFacts(sharded, keyspace=True)
         flags = str(next(iter(reply.values()), "") if reply else "")
-        return "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
+        keyspace = "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
+        return _ServerFacts(sharded, keyspace)
 
     async def _subscribe(self, channel: _Channel) -> None:
-        names = [channel.wake] if channel.keyspace is None else [channel.wake, channel.keyspace]
         async with self._lock:
             if self._pubsub is None:
                 self._pubsub = self._client.pubsub()
-            await self._pubsub.subscribe(*names)
+            if self._sharded:
+                await self._pubsub.ssubscribe(channel.wake)
+            else:
+                await self._pubsub.subscribe(channel.wake)
+            if channel.keyspace is not None:  # keyspace events are never sharded
+                await self._pubsub.subscribe(channel.keyspace)
             self._own_reconnects()
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.get_running_loop().create_task(
                     self._read(), name="aiolocks-notifier"
                 )
 
-    async def _unsubscribe(self, names: list[bytes]) -> None:
+    async def _unsubscribe(self, wake: bytes, keyspace: bytes | None) -> None:
         async with self._lock:
-            if names[0] in self._channels:
+            if wake in self._channels:
                 return  # wanted again since it expired: keep the subscription
             if self._pubsub is not None:
                 with contextlib.suppress(redis.exceptions.RedisError, OSError):
-                    await self._pubsub.unsubscribe(*names)
+                    if self._sharded:
+                        await self._pubsub.sunsubscribe(wake)
+                    else:
+                        await self._pubsub.unsubscribe(wake)
+                    if keyspace is not None:
+                        await self._pubsub.unsubscribe(keyspace)
 
     def _own_reconnects(self) -> None:
         connection = self._pubsub.connection
@@ -239,13 +270,24 @@ class Notifier:
         kind = _as_bytes(message.get("type"))
         name = _as_bytes(message.get("channel"))
         data = message.get("data")
-        if kind == b"message":
+        if kind in (b"message", b"smessage"):
             payload = _as_bytes(data)
             if name in self._channels:
                 self._on_grant(name, payload)
             elif name in self._by_keyspace and payload in _GONE:
                 self._waitqueue.recheck_first(self._by_keyspace[name])
-        elif kind == b"subscribe":
+        elif kind == b"sunsubscribe":
+            channel = self._channels.get(name)
+            if channel is not None and channel.confirmed is not None:
+                # Not asked for (ours come after the channel is forgotten): the server
+                # dropped it, e.g. its slot moved to another node. Messages may be lost:
+                # re-check, and subscribe again.
+                self._waitqueue.recheck_all(name)
+                channel.confirmed = None
+                if channel.refs > 0:
+                    task = asyncio.get_running_loop().create_task(self._resubscribe(channel))
+                    task.add_done_callback(_ignore_result)
+        elif kind in (b"subscribe", b"ssubscribe"):
             wake = self._by_keyspace.get(name, name)
             channel = self._channels.get(wake)
             if channel is None or wake != name:
@@ -256,6 +298,15 @@ class Notifier:
                 self._waitqueue.recheck_all(wake)  # re-subscribed after a reconnect
             else:
                 channel.confirmed.set_result(None)
+
+    async def _resubscribe(self, channel: _Channel) -> None:
+        if channel.confirmed is None and self._channels.get(channel.wake) is channel:
+            channel.confirmed = asyncio.get_running_loop().create_future()
+            try:
+                await self._subscribe(channel)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.debug("aiolocks: re-subscribe to %r failed: %r", channel.wake, exc)
+                channel.confirmed = None
 
     def _on_grant(self, wake: bytes, payload: bytes) -> None:
         parts = payload.split(b" ")
