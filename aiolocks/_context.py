@@ -77,15 +77,18 @@ class ClientContext:
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
 
     async def run(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
-        """EVALSHA `script`; load it into the server first if the server does not know it."""
+        """EVALSHA `script`; EVAL it (which also caches it) if the server does not know it.
+
+        EVAL rather than SCRIPT LOAD: it goes where the keys are (on Cluster, the node
+        owning their slot; SCRIPT LOAD has no key to route by), in one round trip.
+        """
         async with self._slots:
             self.commands_sent += 1
             try:
                 return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
-                self.commands_sent += 2
-                await self._execute("SCRIPT", "LOAD", script.source)
-                return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+                self.commands_sent += 1
+                return await self._execute("EVAL", script.source, len(keys), *keys, *args)
 
     async def call(self, *args: Any) -> Any:
         """Send one plain command within the in-flight bound; bulk replies stay bytes."""
@@ -104,26 +107,35 @@ class ClientContext:
     async def pipeline(
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
     ) -> list[Any]:
-        """Run several scripts in one round trip; each result is a value or an exception."""
-        for attempt in range(2):
-            async with self._slots:
-                pipe = self.client.pipeline(transaction=False)
-                for script, keys, args in calls:
+        """Run several scripts in one round trip; each result is a value or an exception.
+
+        Calls the server answers NOSCRIPT are sent again, by EVAL, in a second round trip.
+        """
+        results = await self._send(calls, by_source=False)
+        missing = [
+            index
+            for index, result in enumerate(results)
+            if isinstance(result, redis.exceptions.NoScriptError)
+        ]
+        if missing:
+            retried = await self._send([calls[index] for index in missing], by_source=True)
+            for index, result in zip(missing, retried, strict=True):
+                results[index] = result
+        return results
+
+    async def _send(
+        self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]], *, by_source: bool
+    ) -> list[Any]:
+        async with self._slots:
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                if by_source:
+                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+                else:
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                self.commands_sent += len(calls)
-                results: list[Any] = await pipe.execute(raise_on_error=False)
-            missing = {
-                call[0]
-                for call, result in zip(calls, results, strict=True)
-                if isinstance(result, redis.exceptions.NoScriptError)
-            }
-            if not missing or attempt:
-                return results
-            async with self._slots:
-                for script in missing:
-                    self.commands_sent += 1
-                    await self._execute("SCRIPT", "LOAD", script.source)
-        raise AssertionError("unreachable")
+            self.commands_sent += len(calls)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
 
     async def aclose(self) -> None:
         """Stop the background tasks of this client (held leases are no longer renewed)."""
