@@ -8,20 +8,23 @@ and a bounded number of in-flight commands.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 from redis.client import NEVER_DECODE
 
+from ._clients import AnyRedis
 from ._coalesce import Coalescer
 from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
 from ._waitqueue import WaitQueue
 
-__all__ = ["ClientContext", "context_for", "ensure_async_client"]
+__all__ = ["ClientContext", "context_for"]
 
 # Commands the engine keeps in flight per client at most. redis-py's pool fails fast
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
@@ -32,17 +35,7 @@ _MAX_IN_FLIGHT = 64
 _ATTRIBUTE = "_aiolocks_contexts"
 
 
-def ensure_async_client(client: object) -> redis.asyncio.Redis:
-    """Return `client` if it is a `redis.asyncio` client; raise `TypeError` otherwise."""
-    if isinstance(client, redis.asyncio.Redis):
-        return client
-    raise TypeError(
-        "client must be a redis.asyncio.Redis (e.g. redis.asyncio.Redis.from_url(...)), "
-        f"not {type(client).__module__}.{type(client).__qualname__}"
-    )
-
-
-def context_for(client: redis.asyncio.Redis) -> ClientContext:
+def context_for(client: AnyRedis) -> ClientContext:
     """The engine state of `client` on the running event loop, created on first use."""
     loop = asyncio.get_running_loop()
     per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
@@ -62,17 +55,26 @@ def context_for(client: redis.asyncio.Redis) -> ClientContext:
 class ClientContext:
     """Everything the engine keeps for one client on one event loop."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: AnyRedis) -> None:
         self.client = client
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
         self._execute: Callable[..., Awaitable[Any]] = client.execute_command
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
-        pool_limit = getattr(client.connection_pool, "max_connections", _MAX_IN_FLIGHT + 2)
+        # On Cluster each node has its own pool; the bound then applies per client.
+        pool = getattr(client, "connection_pool", None)
+        pool_limit = getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
         # Registries' coalesced register() calls, by the registry's ids key.
         self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
+        # redis-py's RedisCluster initialises itself on first use, and concurrent first
+        # uses race (a command then fails on a connection the initialisation replaced):
+        # the engine initialises it once, alone, before its first command.
+        self._initialised: asyncio.Future[None] | None = None
+        if not isinstance(client, RedisCluster) or getattr(client, "_initialize", True) is False:
+            self._initialised = asyncio.get_running_loop().create_future()
+            self._initialised.set_result(None)
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
 
@@ -82,6 +84,7 @@ class ClientContext:
         EVAL rather than SCRIPT LOAD: it goes where the keys are (on Cluster, the node
         owning their slot; SCRIPT LOAD has no key to route by), in one round trip.
         """
+        await self._ready()
         async with self._slots:
             self.commands_sent += 1
             try:
@@ -92,11 +95,13 @@ class ClientContext:
 
     async def call(self, *args: Any) -> Any:
         """Send one plain command within the in-flight bound; bulk replies stay bytes."""
+        await self._ready()
         async with self._slots:
             return await self._execute(*args, **{NEVER_DECODE: True})
 
     async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
+        await self._ready()
         async with self._slots:
             pipe = self.client.pipeline(transaction=False)
             for args in commands:
@@ -126,6 +131,7 @@ class ClientContext:
     async def _send(
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]], *, by_source: bool
     ) -> list[Any]:
+        await self._ready()
         async with self._slots:
             pipe = self.client.pipeline(transaction=False)
             for script, keys, args in calls:
@@ -136,6 +142,24 @@ class ClientContext:
             self.commands_sent += len(calls)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
+
+    async def _ready(self) -> None:
+        initialised = self._initialised
+        if (
+            initialised is not None
+            and initialised.done()
+            and not initialised.cancelled()
+            and initialised.exception() is None
+        ):
+            return
+        if initialised is None or initialised.done():  # first use, or the last try failed
+            initialised = self._initialised = asyncio.ensure_future(self._initialise())
+        await asyncio.shield(initialised)
+
+    async def _initialise(self) -> None:
+        assert isinstance(self.client, RedisCluster)
+        with contextlib.suppress(AttributeError):  # no such step in this redis-py
+            await self.client.initialize()
 
     async def aclose(self) -> None:
         """Stop the background tasks of this client (held leases are no longer renewed)."""

@@ -21,10 +21,10 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import anyio
-import redis.asyncio
 
 from . import _acquire
-from ._context import ClientContext, context_for, ensure_async_client
+from ._clients import AnyRedis, ensure_async_client
+from ._context import ClientContext, context_for
 from ._errors import LockLost, LockNotOwned, LockReentry, LockTimeout, map_redis_errors
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._leases import Lease
@@ -99,7 +99,7 @@ class LeasedLock:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         ttl: float = DEFAULT_TTL,

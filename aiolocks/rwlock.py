@@ -6,9 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, final
 
-import redis.asyncio
-
 from . import _acquire
+from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import map_redis_errors
 from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
@@ -121,7 +120,7 @@ class RedisReadWriteLock:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         ttl: float = DEFAULT_TTL,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, final
 
-import redis.asyncio
-
 from . import _acquire
+from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
 from ._holding import DEFAULT_TTL, LeasedLock, LostCallback
@@ -60,7 +59,7 @@ class RedisSemaphore(LeasedLock):
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         limit: int,
