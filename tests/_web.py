@@ -39,7 +39,10 @@ class Gate:
 
 
 def load_example(name: str) -> ModuleType:
-    """Import `examples/<name>.py` (the examples are scripts, not a package)."""
+    """Import `examples/<name>.py` (the examples are scripts, not a package, and import
+    their shared `_orders` module from their own directory)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
