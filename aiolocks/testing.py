@@ -27,10 +27,11 @@ Helpers, to test what your code does when a lease is lost:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import anyio
+import anyio.lowlevel
 import pytest
 import pytest_asyncio
 import redis.asyncio
@@ -107,7 +108,10 @@ async def expire_lease(lock: Lock, *, timeout: float = 5.0) -> None:
     if lease is not None and not lease.lost:
         lease.next_due = time.monotonic()  # renew now: the renewal finds the lease gone
         context.keeper.hold(lease)
-    await asyncio.wait_for(holding.lost.wait(), timeout)
+    with anyio.fail_after(timeout):
+        await holding.lost.wait()
+    # Inside `async with lock` the loss cancels the body: let that land here, at once.
+    await anyio.lowlevel.checkpoint()
 
 
 async def expire_leases(lock: Lock) -> int:
