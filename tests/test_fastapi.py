@@ -6,6 +6,8 @@ and FastAPI resolves their annotations at run time.
 """
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -331,3 +333,15 @@ async def test_the_example_app_starts_its_own_server(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("REDIS_URL", raising=False)
     async with http(example.app) as client:
         assert (await client.post("/orders/1/ship")).json() == {"order": 1, "fence": 1}
+
+
+def test_import_aiolocks_needs_no_web_framework() -> None:
+    """The integrations are imported only when asked for, so the core installs alone."""
+    code = (
+        "import sys, aiolocks, aiolocks.integrations\n"
+        "print(sorted({'fastapi', 'aiohttp', 'starlette', 'pytest'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
