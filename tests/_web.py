@@ -10,6 +10,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import redis.asyncio
+
+from aiolocks import RedisMutex
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -49,3 +52,9 @@ def load_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses and pydantic look the module up
     spec.loader.exec_module(module)
     return module
+
+
+async def is_free(r: redis.asyncio.Redis, name: str) -> bool:
+    """Nobody holds the mutex `name` and nobody is queued for it (asks the server)."""
+    info = await RedisMutex(r, name).inspect()
+    return info.owner is None and info.queue_length == 0

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from _web import ONE_SERVER, Gate, load_example
+from _web import ONE_SERVER, Gate, is_free, load_example
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import Tasks
@@ -57,11 +57,6 @@ def orders_app(
 
     app.router.add_post("/orders/{order_id}", decorator(work))
     return app
-
-
-async def is_free(r: redis.asyncio.Redis, name: str) -> bool:
-    info = await RedisMutex(r, name).inspect()
-    return info.owner is None and info.queue_length == 0
 
 
 @ONE_SERVER

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from _web import ONE_SERVER, Gate, load_example
+from _web import ONE_SERVER, Gate, is_free, load_example
 from asgi_lifespan import LifespanManager
 from conftest import Tasks
 from fastapi import Depends, FastAPI, Request
@@ -47,11 +47,6 @@ def orders_app(gate: Gate, lock: Callable[..., Any], **app_options: Any) -> Fast
         return {"order": order_id, "lock": held.name, "fence": held.fencing_token}
 
     return app
-
-
-async def is_free(r: redis.asyncio.Redis, name: str) -> bool:
-    info = await RedisMutex(r, name).inspect()
-    return info.owner is None and info.queue_length == 0
 
 
 @ONE_SERVER

@@ -14,6 +14,7 @@ import string
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypedDict
 
 import anyio
 import redis.asyncio
@@ -25,7 +26,7 @@ from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore, _validate_limit
 
-__all__ = ["HeldLock", "LockPolicy", "NameTemplate", "Refusal"]
+__all__ = ["HeldLock", "LockOptions", "LockPolicy", "NameTemplate", "Refusal"]
 
 log = logging.getLogger("aiolocks")
 
@@ -95,6 +96,17 @@ def _status(value: object, what: str, low: int) -> int:
     if not low <= value <= 599:
         raise ValueError(f"{what} must be an HTTP status in {low}..599, got {value}")
     return value
+
+
+class LockOptions(TypedDict, total=False):
+    """The keyword options every integration takes (the fields of `LockPolicy`)."""
+
+    ttl: float
+    timeout: float | None
+    limit: int | None
+    prefix: str
+    busy_status: int
+    lost_status: int
 
 
 @dataclass(frozen=True, slots=True)

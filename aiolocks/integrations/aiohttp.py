@@ -20,15 +20,19 @@ This module imports aiohttp: install the `aiohttp` extra.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import redis.asyncio
 from aiohttp import web
 
-from .._holding import DEFAULT_TTL
-from .._keys import DEFAULT_PREFIX
-from ._hold import HeldLock, LockPolicy, NameTemplate, Refusal
+from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 __all__ = ["REDIS", "HeldLock", "held_lock", "lock_middleware", "locked"]
 
@@ -79,13 +83,8 @@ class _Locker:
 def locked(
     name: str | NameFunction,
     *,
-    ttl: float = DEFAULT_TTL,
-    timeout: float | None = 0.0,
-    limit: int | None = None,
-    busy_status: int = 409,
-    lost_status: int = 500,
     client: redis.asyncio.Redis | None = None,
-    prefix: str = DEFAULT_PREFIX,
+    **options: Unpack[LockOptions],
 ) -> Callable[[Handler], Handler]:
     """Decorate a handler so that each request runs holding the lock `name`.
 
@@ -93,8 +92,7 @@ def locked(
     match info, then the query string; or a function of the request returning the name
     (sync or async). The other options are those of `lock_middleware`.
     """
-    policy = _policy(ttl, timeout, limit, busy_status, lost_status, prefix)
-    locker = _Locker(name, policy, client)
+    locker = _Locker(name, LockPolicy(**options), client)
 
     def decorate(handler: Handler) -> Handler:
         async def locked_handler(request: web.Request) -> web.StreamResponse:
@@ -110,27 +108,23 @@ def locked(
 def lock_middleware(
     name: NameFunction,
     *,
-    ttl: float = DEFAULT_TTL,
-    timeout: float | None = 0.0,
-    limit: int | None = None,
-    busy_status: int = 409,
-    lost_status: int = 500,
     client: redis.asyncio.Redis | None = None,
-    prefix: str = DEFAULT_PREFIX,
+    **options: Unpack[LockOptions],
 ) -> Any:
     """A middleware holding the lock `name(request)` around each request (none if it
     returns None).
 
+    - `ttl`: the lease in seconds (30), renewed in the background while the request runs.
     - `timeout`: 0 (the default) answers `busy_status` at once when the lock is held; a
       number of seconds waits that long first; None waits as long as it takes.
     - `busy_status`: 409 (the default) or e.g. 423, with the JSON body
       `{"error": "lock_busy", "lock": NAME, "message": ...}`; a lost lease answers
       `lost_status` (a 5xx) with `"error": "lock_lost"`; Redis unreachable, 503.
     - `limit`: None for a `RedisMutex`; N for a `RedisSemaphore` letting N requests in.
+    - `prefix`: the key prefix, as for the primitives.
     - The client: `client` if given, else `app[REDIS]`.
     """
-    policy = _policy(ttl, timeout, limit, busy_status, lost_status, prefix)
-    locker = _Locker(name, policy, client)
+    locker = _Locker(name, LockPolicy(**options), client)
 
     @web.middleware
     async def aiolocks_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -145,24 +139,6 @@ def held_lock(request: web.Request) -> HeldLock:
         return cast(HeldLock, request[_HELD])
     except KeyError:
         raise LookupError("this request holds no aiolocks lock (no @locked/middleware)") from None
-
-
-def _policy(
-    ttl: float,
-    timeout: float | None,
-    limit: int | None,
-    busy_status: int,
-    lost_status: int,
-    prefix: str,
-) -> LockPolicy:
-    return LockPolicy(
-        ttl=ttl,
-        timeout=timeout,
-        limit=limit,
-        prefix=prefix,
-        busy_status=busy_status,
-        lost_status=lost_status,
-    )
 
 
 def _template_function(template: NameTemplate) -> NameFunction:

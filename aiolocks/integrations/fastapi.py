@@ -17,15 +17,19 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
 
-from .._holding import DEFAULT_TTL
-from .._keys import DEFAULT_PREFIX
-from ._hold import HeldLock, LockPolicy, NameTemplate, Refusal
+from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 __all__ = ["HeldLock", "request_lock"]
 
@@ -35,14 +39,9 @@ NameDependency = Callable[..., str] | Callable[..., Awaitable[str]]
 def request_lock(
     name: str | NameDependency,
     *,
-    ttl: float = DEFAULT_TTL,
-    timeout: float | None = 0.0,
-    limit: int | None = None,
-    busy_status: int = 409,
-    lost_status: int = 500,
     client: redis.asyncio.Redis | None = None,
     state_key: str = "redis",
-    prefix: str = DEFAULT_PREFIX,
+    **options: Unpack[LockOptions],
 ) -> Callable[..., AsyncIterator[HeldLock]]:
     """A FastAPI dependency (use it with `Depends`) that holds a lock for each request.
 
@@ -50,6 +49,7 @@ def request_lock(
       parameters, then the query string (as sent, before validation); or any FastAPI
       dependency returning the name, which may take validated path, query or body
       parameters, or `request: Request`.
+    - `ttl`: the lease in seconds (30), renewed in the background while the request runs.
     - `timeout`: 0 (the default) answers `busy_status` at once when the lock is held;
       a number of seconds waits that long first; None waits as long as it takes.
     - `busy_status`: 409 (Conflict, the default) or e.g. 423 (Locked), with the JSON body
@@ -58,20 +58,14 @@ def request_lock(
       during the request (the work may have overlapped another holder's). Redis
       unreachable: 503 with `"error": "lock_unavailable"`.
     - `limit`: None for a `RedisMutex`; N for a `RedisSemaphore` letting N requests in.
+    - `prefix`: the key prefix, as for the primitives.
     - The Redis client: `client` if given, else the `state_key` entry of the lifespan
       state (`yield {"redis": client}` from the lifespan), else `app.state.<state_key>`.
 
     The dependency yields a `HeldLock` (name, fencing token, `lost` event, the lock).
     Arguments are checked here, when the app is built.
     """
-    policy = LockPolicy(
-        ttl=ttl,
-        timeout=timeout,
-        limit=limit,
-        prefix=prefix,
-        busy_status=busy_status,
-        lost_status=lost_status,
-    )
+    policy = LockPolicy(**options)
     if client is not None and not isinstance(client, redis.asyncio.Redis):
         raise TypeError(f"client must be a redis.asyncio.Redis, not {type(client).__name__}")
     if not isinstance(state_key, str) or not state_key.isidentifier():
