@@ -6,6 +6,7 @@ and FastAPI resolves their annotations at run time.
 """
 
 import asyncio
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,8 @@ from conftest import Tasks
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from aiolocks import RedisMutex, RedisSemaphore
 from aiolocks.integrations.fastapi import HeldLock, request_lock
@@ -340,3 +343,20 @@ def test_import_aiolocks_needs_no_web_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+async def test_an_unreachable_redis_answers_503() -> None:
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    no_retries = Retry(NoBackoff(), 0)  # fail at once, not after redis-py's back-off
+    client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=no_retries)
+    try:
+        gate = Gate()
+        async with http(orders_app(gate, request_lock("orders:{order_id}", client=client))) as c:
+            response = await c.post("/orders/1")
+    finally:
+        await client.aclose()
+    assert response.status_code == 503
+    assert response.json()["detail"]["error"] == "lock_unavailable"
+    assert not gate.entered[1].is_set()
