@@ -141,11 +141,16 @@ class LeasedLock:
     async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Acquire for the current task; False if not blocking and busy, or on timeout.
 
-        Raises `LockReentry` if the current task already holds this instance.
+        `timeout` bounds the whole call, Redis round trips included; `timeout=0` means
+        one try, the same as `blocking=False`. Raises `LockReentry` if the current task
+        already holds this instance.
         """
         timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
+        if timeout == 0:
+            # A zero deadline would end the call before its one try reached Redis.
+            blocking, timeout = False, None
         task = _current_task()
         held = self._holdings.get(task)
         reason = "the current task already holds it (not reentrant)"
