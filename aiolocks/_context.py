@@ -93,6 +93,34 @@ class ClientContext:
                 self.commands_sent += 1
                 return await self._execute("EVAL", script.source, len(keys), *keys, *args)
 
+    async def run_then_wait(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        replicas: int,
+        timeout_ms: int,
+    ) -> tuple[Any, int]:
+        """Run `script`, then `WAIT replicas timeout_ms`, on one connection (WAIT covers the
+        writes of its own connection only): (the script's reply, replicas that acked)."""
+        await self._ready()
+        for by_source in (False, True):
+            async with self._slots:
+                pipe = self.client.pipeline(transaction=False)
+                if by_source:
+                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+                else:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                self.commands_sent += 2
+                reply, acked = await pipe.execute(raise_on_error=False)
+            if not isinstance(reply, redis.exceptions.NoScriptError):
+                break
+        for result in (reply, acked):
+            if isinstance(result, Exception):
+                raise result
+        return reply, int(acked)
+
     async def call(self, *args: Any) -> Any:
         """Send one plain command within the in-flight bound; bulk replies stay bytes."""
         await self._ready()
