@@ -36,7 +36,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmarks (mutex, semaphore/RW lock, registry): `nox -s bench -- <benchmark options>`."""
+    """The benchmarks (mutex, semaphore/RW lock, registry): `nox -s bench -- <options>`."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
     session.run("python", "benchmarks/bench_primitives.py")

@@ -11,6 +11,7 @@ from ._errors import LockLost as LockLost
 from ._errors import LockNotOwned as LockNotOwned
 from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
+from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
@@ -32,6 +33,7 @@ __all__ = (
     "LockStatistics",
     "LockTimeout",
     "MutexInfo",
+    "NotReplicated",
     "RWLockInfo",
     "ReadLock",
     "RedisMutex",

@@ -147,6 +147,22 @@ async def acquire(
             await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
 
 
+async def confirm(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, replicas: int, timeout_ms: int
+) -> tuple[int, int]:
+    """Re-run the acquire script for a granted `token` (a write: it re-arms the lease) and
+    `WAIT` on the same connection: (acquire status, replicas that acknowledged).
+
+    Replication is in order, so a replica that has this write also has the grant before
+    it, whichever client made that grant (a hand-off is made by the releaser).
+    """
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    reply, acked = await context.run_then_wait(
+        spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
+    )
+    return int(reply[0]), int(acked)
+
+
 async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool:
     """Run the release script for `token`; True if it held the primitive.
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
-import redis.asyncio
-
+from ._clients import AnyRedis, ensure_async_client
 from ._coalesce import Coalescer
-from ._context import context_for, ensure_async_client
+from ._context import context_for
 from ._errors import map_redis_errors
 from ._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._scripts import load
@@ -47,7 +46,7 @@ class RedisRegistry:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         prefix: str = DEFAULT_PREFIX,

@@ -31,6 +31,10 @@ from _sentinel import SentinelGroup
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
 from _workers import Spawn, spawner
 
+# Our own suite uses aiolocks.testing the way users do (registered here, before any test
+# module imports it, so pytest can rewrite its asserts); pytester runs a user's suite.
+pytest_plugins = ["aiolocks.testing", "pytester"]
+
 KINDS: list[ServerKind] = available_kinds()
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
 T = TypeVar("T")

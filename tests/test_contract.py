@@ -65,6 +65,19 @@ async def test_blocking_false_and_timeout_fail_while_held(
     await other.release()
 
 
+async def test_timeout_zero_tries_once_and_takes_a_free_lock(
+    any_backend: Backend, make_lock: LockFactory
+) -> None:
+    # Through a fresh client (its first call opens a connection): a zero timeout is one
+    # try, not a deadline that has passed before the try reaches Redis.
+    lock = make_lock(any_backend.client(), "c:zero")
+    assert await lock.acquire(timeout=0) is True
+    assert lock.fencing_token is not None
+    await lock.release()
+    async with make_lock(any_backend.client(), "c:zero", timeout=0) as again:
+        assert again.fencing_token is not None
+
+
 async def test_async_with_timeout_raises_lock_timeout(
     any_backend: Backend, make_lock: LockFactory
 ) -> None:
