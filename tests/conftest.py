@@ -11,12 +11,13 @@ fixture is function-scoped and lives on the test's own loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fakeredis
 import pytest
@@ -148,26 +149,37 @@ async def fake_r() -> AsyncIterator[redis.asyncio.Redis]:
 
 @dataclass
 class Backend:
-    """What ``any_r`` talks to: a real server variant or an in-process FakeServer."""
+    """What ``any_r`` talks to: a real server variant, a 3-node cluster, or fakeredis."""
 
     name: str
     server: ServerProcess | None = None
     fake_server: fakeredis.FakeServer | None = None
-    _clients: list[redis.asyncio.Redis] = field(default_factory=list, repr=False)
+    cluster: Cluster | None = None
+    _clients: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def is_fake(self) -> bool:
-        return self.server is None
+        return self.server is None and self.cluster is None
 
     def client(self) -> redis.asyncio.Redis:
-        """A new client on this backend, closed by the fixture at teardown."""
-        client: redis.asyncio.Redis
-        if self.server is not None:
+        """A new client on this backend, closed by the fixture at teardown. On a cluster
+        it is a ``RedisCluster`` (typed as a plain client: tests use the common methods)."""
+        client: Any
+        if self.cluster is not None:
+            client = self.cluster.client()
+        elif self.server is not None:
             client = redis.asyncio.Redis.from_url(self.server.url)
         else:
             client = fakeredis.FakeAsyncRedis(server=self.fake_server)
         self._clients.append(client)
-        return client
+        return cast(redis.asyncio.Redis, client)
+
+    async def reset(self, client: redis.asyncio.Redis) -> None:
+        """Empty the backend (every node of a cluster) and restore its notify setting."""
+        if self.cluster is not None:
+            await self.cluster.flushall()
+        else:
+            await _reset(client, self.server)
 
     async def aclose(self) -> None:
         clients, self._clients = self._clients, []
@@ -175,14 +187,16 @@ class Backend:
             await client.aclose()
 
 
-@pytest.fixture(params=ANY_VARIANTS, ids=ANY_VARIANTS)
-async def any_backend(
-    request: pytest.FixtureRequest, server_pool: ServerPool
+@contextlib.asynccontextmanager
+async def open_backend(
+    name: str, server_pool: ServerPool, cluster_pool: ClusterPool | None = None
 ) -> AsyncIterator[Backend]:
-    """A real server variant or fakeredis; ``.client()`` makes more clients on it."""
-    name: str = request.param
+    """The backend ``name`` (a server variant, a cluster variant or ``fakeredis``)."""
     if name == FAKE:
         backend = Backend(name, fake_server=fakeredis.FakeServer())
+    elif name.endswith("-cluster"):
+        assert cluster_pool is not None, "cluster variants need the cluster_pool fixture"
+        backend = Backend(name, cluster=cluster_pool.get(name))
     else:
         backend = Backend(name, server=server_pool.get(name))
     try:
@@ -191,11 +205,20 @@ async def any_backend(
         await backend.aclose()
 
 
+@pytest.fixture(params=ANY_VARIANTS, ids=ANY_VARIANTS)
+async def any_backend(
+    request: pytest.FixtureRequest, server_pool: ServerPool
+) -> AsyncIterator[Backend]:
+    """A real server variant or fakeredis; ``.client()`` makes more clients on it."""
+    async with open_backend(request.param, server_pool) as backend:
+        yield backend
+
+
 @pytest.fixture
 async def any_r(any_backend: Backend) -> redis.asyncio.Redis:
     """Client on a real variant (after FLUSHALL) or on a fresh fakeredis server."""
     client = any_backend.client()
-    await _reset(client, any_backend.server)
+    await any_backend.reset(client)
     return client
 
 
@@ -295,7 +318,7 @@ CLUSTER_VARIANTS: list[str] = [f"{kind}-cluster" for kind in KINDS]
 SENTINEL_VARIANTS: list[str] = [f"{kind}-sentinel" for kind in KINDS]
 
 
-def _variant_binary(variant: str) -> tuple[ServerKind, str]:
+def variant_binary(variant: str) -> tuple[ServerKind, str]:
     kinds: dict[str, ServerKind] = {"valkey": "valkey", "redis": "redis"}
     kind = kinds[variant.partition("-")[0]]
     binary = binary_path(kind)
@@ -315,7 +338,7 @@ class ClusterPool:
         if cluster is None or not cluster.running:
             if cluster is not None:
                 cluster.stop()
-            kind, binary = _variant_binary(variant)
+            kind, binary = variant_binary(variant)
             cluster = self._clusters[variant] = Cluster(binary, kind=kind).start()
         return cluster
 
@@ -357,7 +380,7 @@ async def cluster_r(cluster: Cluster) -> AsyncIterator[RedisCluster]:
 async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
     """A fresh primary, one replica and three sentinels per test (``valkey-sentinel``,
     ``redis-sentinel``); its clients are closed and its servers stopped at teardown."""
-    kind, binary = _variant_binary(request.param)
+    kind, binary = variant_binary(request.param)
     group = SentinelGroup(binary, kind=kind).start()
     try:
         yield group

@@ -1,0 +1,258 @@
+"""aiolocks on a real 3-primary Redis / Valkey Cluster, and behind Sentinel.
+
+The generic lock contract also runs on the clusters (``tests/test_contract.py``). Here:
+locks spread over all three nodes, wake-ups on the owning shard only, processes contending
+through ``RedisCluster`` clients, a slot moved while waiters wait, and a Sentinel failover
+under a held lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio
+from _cluster import Cluster, names_on_each_node
+from _lockworker import CLUSTER_SCHEME
+from _probes import QueueProbe
+from _sentinel import SentinelGroup
+from _servers import arun_workers, command_count
+from conftest import SENTINEL_VARIANTS, variant_binary
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
+from aiolocks._context import context_for
+
+pytestmark = pytest.mark.slow
+
+COUNTER = Path(__file__).resolve().parent / "workers" / "mutex_counter.py"
+
+
+def _node_client(cluster: Cluster, index: int) -> redis.asyncio.Redis:
+    return redis.asyncio.Redis(host="127.0.0.1", port=cluster.nodes[index].port)
+
+
+async def _spublish_counts(cluster: Cluster) -> list[int]:
+    counts = []
+    for index in range(len(cluster.nodes)):
+        async with _node_client(cluster, index) as client:
+            counts.append(await command_count(client, ["spublish"]))
+    return counts
+
+
+async def test_every_script_stays_in_one_slot(cluster_r: RedisCluster, cluster: Cluster) -> None:
+    """Each primitive on a name of each node: every key it leaves is in the name's slot
+    (a script touching another slot would have failed with CROSSSLOT first)."""
+    for index, names in enumerate(names_on_each_node(cluster, 1, prefix="slot")):
+        name = names[0]
+        for lock in (
+            RedisMutex(cluster_r, name),
+            RedisSemaphore(cluster_r, name, limit=2),
+            RedisReadWriteLock(cluster_r, name).write(),
+        ):
+            async with lock:
+                pass
+        await RedisRegistry(cluster_r, name).register_many(["a", "b"])
+        async with _node_client(cluster, index) as node:
+            keys = [key async for key in node.scan_iter(match="aiolocks:*")]
+        assert keys, name
+        assert {key_slot(key) for key in keys} == {key_slot(name.encode())}, keys
+
+
+async def test_hand_offs_wake_only_the_owning_shard(
+    cluster_r: RedisCluster, cluster: Cluster
+) -> None:
+    other = cluster.client()
+    try:
+        per_node = names_on_each_node(cluster, 1, prefix="shard")
+        for index, (name,) in enumerate(per_node):
+            holder, waiter = RedisMutex(cluster_r, name), RedisMutex(other, name)
+            probe = QueueProbe(other)
+            before = await _spublish_counts(cluster)
+            for _ in range(5):
+                assert await holder.acquire()
+                waiting = asyncio.create_task(waiter.acquire())
+                await probe.wait_queued(len(probe.queued) + 1)
+                await holder.release()  # hands over across clients: one SPUBLISH
+                assert await asyncio.wait_for(waiting, 10)
+                await waiter.release()
+            after = await _spublish_counts(cluster)
+            grown = [a - b for a, b in zip(after, before, strict=True)]
+            assert grown == [5 if node == index else 0 for node in range(3)], (name, grown)
+        # The waiting client keeps one pub/sub connection per node it waited on.
+        assert len(context_for(other).notifier._links) == 3
+    finally:
+        await other.aclose()
+
+
+async def test_contended_locks_on_every_node(cluster_r: RedisCluster, cluster: Cluster) -> None:
+    clients = [cluster_r, cluster.client()]
+    names = [name for group in names_on_each_node(cluster, 2, prefix="busy") for name in group]
+    counters = dict.fromkeys(names, 0)
+    inside = dict.fromkeys(names, 0)
+    most = dict.fromkeys(names, 0)
+
+    async def work(client: RedisCluster, name: str) -> None:
+        mutex = RedisMutex(client, name, ttl=10, timeout=30)
+        for _ in range(10):
+            async with mutex:
+                inside[name] += 1
+                most[name] = max(most[name], inside[name])
+                value = counters[name]
+                await asyncio.sleep(0.001)
+                counters[name] = value + 1
+                inside[name] -= 1
+
+    try:
+        await asyncio.gather(*(work(c, n) for n in names for c in clients for _ in range(2)))
+    finally:
+        await clients[1].aclose()
+    assert counters == dict.fromkeys(names, 40)
+    assert most == dict.fromkeys(names, 1)
+    for name in names:
+        info = await RedisMutex(cluster_r, name).inspect()
+        assert (info.owner, info.queue_length, info.fence) == (None, 0, 40)
+
+
+async def test_mutual_exclusion_across_processes_on_a_cluster(
+    cluster_r: RedisCluster, cluster: Cluster
+) -> None:
+    """4 processes x 3 names (one per node) x 50 non-atomic increments through
+    RedisCluster clients: nothing lost, every fence used exactly once, per name."""
+    names = [group[0] for group in names_on_each_node(cluster, 1, prefix="procs")]
+    workers, iterations = 4, 50
+    url = CLUSTER_SCHEME + cluster.startup_url
+    results = await arun_workers(
+        str(COUNTER),
+        [
+            [url, ",".join(names), str(i), str(workers), str(iterations), "5", "60"]
+            for i in range(workers)
+        ],
+        timeout=90,
+    )
+    fences: dict[str, list[int]] = {name: [] for name in names}
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        for line in result.stdout.splitlines():
+            word, _worker, name, data = line.split(" ", 3)
+            if word == "fences":
+                mine = json.loads(data)
+                assert len(mine) == iterations
+                assert all(a < b for a, b in itertools.pairwise(mine)), mine
+                fences[name] += mine
+    for name in names:
+        assert await cluster_r.get(f"test:{{{name}}}:counter") == str(workers * iterations).encode()
+        assert sorted(fences[name]) == list(range(1, workers * iterations + 1)), name
+
+
+async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster: Cluster) -> None:
+    """A held mutex's slot is migrated to another node while 6 waiters (two clients)
+    wait: afterwards they all acquire, in the order they queued, one at a time, with
+    increasing fences; nothing is left queued."""
+    name = names_on_each_node(cluster, 1, prefix="moving")[0][0]
+    slot = key_slot(name.encode())
+    source = cluster.owner(slot)
+    target = next(node for node in cluster.nodes if node is not source)
+    other = cluster.client()
+    order: list[int] = []
+    fences: list[int] = []
+    inside = 0
+    try:
+        holder = RedisMutex(cluster_r, name, ttl=10)
+        assert await holder.acquire()
+        first_fence = holder.fencing_token
+        assert first_fence is not None
+        probes = {id(cluster_r): QueueProbe(cluster_r), id(other): QueueProbe(other)}
+
+        async def wait_turn(client: RedisCluster, index: int) -> None:
+            nonlocal inside
+            async with RedisMutex(client, name, ttl=10, timeout=30) as mine:
+                inside += 1
+                assert inside == 1
+                order.append(index)
+                assert mine.fencing_token is not None
+                fences.append(mine.fencing_token)
+                await asyncio.sleep(0.01)
+                inside -= 1
+
+        waiting = []
+        for index in range(6):
+            client = (cluster_r, other)[index % 2]
+            probe = probes[id(client)]
+            waiting.append(asyncio.create_task(wait_turn(client, index)))
+            await probe.wait_queued(len(probe.queued) + 1)
+
+        await cluster.migrate_slot(slot, target)
+        assert cluster.owner(slot) is target
+        await holder.release()  # goes to the new owner (MOVED), hands over by SPUBLISH there
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    finally:
+        await other.aclose()
+    assert order == list(range(6))
+    assert fences == list(range(first_fence + 1, first_fence + 7))
+    info = await RedisMutex(cluster_r, name).inspect()
+    assert (info.owner, info.queue_length) == (None, 0)
+    async with redis.asyncio.Redis(host="127.0.0.1", port=target.port) as node:
+        assert await node.exists(f"aiolocks:mutex:{{{name}}}:fence") == 1
+
+
+# -- Sentinel ----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=SENTINEL_VARIANTS, ids=SENTINEL_VARIANTS)
+async def two_replica_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
+    """A primary with two replicas behind three sentinels: after a failover one replica is
+    left to acknowledge grants (``replicas=1``)."""
+    kind, binary = variant_binary(request.param)
+    group = SentinelGroup(binary, kind=kind, replicas=2).start()
+    try:
+        yield group
+    finally:
+        try:
+            await group.aclose_clients()
+        finally:
+            group.stop()
+
+
+async def test_the_lock_service_survives_a_failover(two_replica_group: SentinelGroup) -> None:
+    """A mutex with replicas=1 held, a waiter waiting, the primary killed: after the
+    failover the holder releases on the new primary, the waiter gets it, and every fence
+    handed out is higher than every fence before."""
+    sentinel_group = two_replica_group
+    holder_client = sentinel_group.master_for()
+    waiter_client = sentinel_group.master_for()
+    # The replica left re-syncs with the new primary after the failover: allow for it.
+    options: dict[str, Any] = {"ttl": 10, "replicas": 1, "replica_timeout": 10}
+    holder = RedisMutex(holder_client, "failover", **options)
+    waiter = RedisMutex(waiter_client, "failover", timeout=30, **options)
+    assert await holder.acquire()
+    before = holder.fencing_token
+    assert before is not None
+    probe = QueueProbe(waiter_client)
+
+    async def wait_and_take() -> int:
+        assert await waiter.acquire()
+        fence = waiter.fencing_token
+        assert fence is not None
+        await waiter.release()
+        return fence
+
+    waiting = asyncio.create_task(wait_and_take())
+    await probe.wait_queued(1)
+    new_primary = await sentinel_group.kill_primary_and_wait_failover()
+    assert new_primary[1] == sentinel_group.primary.port
+    await holder.release()  # the client finds the new primary through the sentinels
+    handed = await asyncio.wait_for(waiting, 30)
+    assert handed > before
+    later = []
+    for _ in range(3):
+        async with holder:
+            assert holder.fencing_token is not None
+            later.append(holder.fencing_token)
+    assert later == sorted(later) and later[0] > handed
