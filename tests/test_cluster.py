@@ -256,3 +256,27 @@ async def test_the_lock_service_survives_a_failover(two_replica_group: SentinelG
             assert holder.fencing_token is not None
             later.append(holder.fencing_token)
     assert later == sorted(later) and later[0] > handed
+
+
+@pytest.mark.parametrize("name", ["orders:42", "a", "x:{y", "ünïcode"])
+def test_every_key_and_channel_of_a_primitive_shares_one_slot(name: str) -> None:
+    """No server needed: what each primitive's scripts are given (KEYS and the channel
+    they publish on) hashes to one slot, so no script can cross slots on a Cluster."""
+    if "{" in name:
+        with pytest.raises(ValueError):
+            RedisMutex(redis.asyncio.Redis(host="127.0.0.1", port=1), name)
+        return
+    client = redis.asyncio.Redis(host="127.0.0.1", port=1)
+    rw = RedisReadWriteLock(client, name)
+    for lock in (
+        RedisMutex(client, name),
+        RedisSemaphore(client, name, limit=3),
+        rw.read(),
+        rw.write(),
+    ):
+        spec = lock._spec
+        slots = {key_slot(key) for key in (*spec.keys, spec.channel, *spec.renew_keys)}
+        assert slots == {key_slot(name.encode())}, (type(lock).__name__, spec.keys)
+    registry = RedisRegistry(client, name)
+    keys = (registry._ids, registry._names, registry._counter)
+    assert {key_slot(key) for key in keys} == {key_slot(name.encode())}
