@@ -376,12 +376,12 @@ async def cluster_r(cluster: Cluster) -> AsyncIterator[RedisCluster]:
         await client.aclose()
 
 
-@pytest.fixture(params=SENTINEL_VARIANTS, ids=SENTINEL_VARIANTS)
-async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
-    """A fresh primary, one replica and three sentinels per test (``valkey-sentinel``,
-    ``redis-sentinel``); its clients are closed and its servers stopped at teardown."""
-    kind, binary = variant_binary(request.param)
-    group = SentinelGroup(binary, kind=kind).start()
+@contextlib.asynccontextmanager
+async def open_sentinel_group(variant: str, replicas: int = 1) -> AsyncIterator[SentinelGroup]:
+    """A started primary with `replicas` replicas and three sentinels; its clients are
+    closed and its servers stopped on exit."""
+    kind, binary = variant_binary(variant)
+    group = SentinelGroup(binary, kind=kind, replicas=replicas).start()
     try:
         yield group
     finally:
@@ -389,3 +389,11 @@ async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[Sentin
             await group.aclose_clients()
         finally:
             group.stop()
+
+
+@pytest.fixture(params=SENTINEL_VARIANTS, ids=SENTINEL_VARIANTS)
+async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
+    """A fresh primary, one replica and three sentinels per test (``valkey-sentinel``,
+    ``redis-sentinel``)."""
+    async with open_sentinel_group(request.param) as group:
+        yield group

@@ -22,7 +22,7 @@ from _lockworker import CLUSTER_SCHEME
 from _probes import QueueProbe
 from _sentinel import SentinelGroup
 from _servers import arun_workers, command_count
-from conftest import SENTINEL_VARIANTS, variant_binary
+from conftest import SENTINEL_VARIANTS, open_sentinel_group
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -209,15 +209,8 @@ async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster
 async def two_replica_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
     """A primary with two replicas behind three sentinels: after a failover one replica is
     left to acknowledge grants (``replicas=1``)."""
-    kind, binary = variant_binary(request.param)
-    group = SentinelGroup(binary, kind=kind, replicas=2).start()
-    try:
+    async with open_sentinel_group(request.param, replicas=2) as group:
         yield group
-    finally:
-        try:
-            await group.aclose_clients()
-        finally:
-            group.stop()
 
 
 async def test_the_lock_service_survives_a_failover(two_replica_group: SentinelGroup) -> None:
