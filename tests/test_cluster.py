@@ -202,6 +202,47 @@ async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster
         assert await node.exists(f"aiolocks:mutex:{{{name}}}:fence") == 1
 
 
+async def test_waiters_survive_their_node_restarting(
+    cluster_r: RedisCluster, cluster: Cluster
+) -> None:
+    """The node owning a held mutex restarts and loses its keys while 4 waiters (two
+    clients) wait: the holder is told (LockLost), and every waiter still gets the mutex,
+    one at a time, once the node is back; its pub/sub links reconnect on their own."""
+    name = names_on_each_node(cluster, 1, prefix="restart")[0][0]
+    node = cluster.node_of(name)
+    other = cluster.client()
+    inside = 0
+    got: list[int] = []
+    try:
+        holder = RedisMutex(cluster_r, name, ttl=2)
+        assert await holder.acquire()
+        probes = {id(cluster_r): QueueProbe(cluster_r), id(other): QueueProbe(other)}
+
+        async def wait_turn(client: RedisCluster, index: int) -> None:
+            nonlocal inside
+            async with RedisMutex(client, name, ttl=5, timeout=60):
+                inside += 1
+                assert inside == 1
+                got.append(index)
+                await asyncio.sleep(0.01)
+                inside -= 1
+
+        waiting = []
+        for index in range(4):
+            client = (cluster_r, other)[index % 2]
+            probe = probes[id(client)]
+            waiting.append(asyncio.create_task(wait_turn(client, index)))
+            await probe.wait_queued(len(probe.queued) + 1)
+
+        await cluster.restart_node(node)
+        # The owner key is gone with the node's data: the holder's next renewal says so.
+        await asyncio.wait_for(holder.lost.wait(), 10)
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+    finally:
+        await other.aclose()
+    assert sorted(got) == [0, 1, 2, 3]
+
+
 # -- Sentinel ----------------------------------------------------------------------------
 
 
