@@ -169,14 +169,14 @@ def counted_client(url: str, log: CommandLog, **kwargs: Any) -> redis.asyncio.Re
     """A `redis.asyncio` client whose every command lands in `log`."""
     pool = CountingPool.from_url(url, **kwargs)
     pool.command_log = log
-    return redis.asyncio.Redis(connection_pool=pool)
+    return redis.asyncio.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 def counted_sync_client(url: str, log: CommandLog, **kwargs: Any) -> redis.Redis:
     """A blocking redis-py client whose every command lands in `log`."""
     pool = SyncCountingPool.from_url(url, **kwargs)
     pool.command_log = log
-    return redis.Redis(connection_pool=pool)
+    return redis.Redis.from_pool(pool)
 
 
 def is_setup(name: str) -> bool:

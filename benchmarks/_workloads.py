@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import redis.asyncio
-from _harness import server_calls
+from _harness import CommandLog, server_calls
 from _peers import Peer
 
 NAME = "bench:lock"
@@ -112,6 +112,21 @@ async def contend(
 # ---------------------------------------------------------------------- 4: waiting cost
 
 
+async def settle(log: CommandLog, at_most: float, quiet_for: float = 0.5) -> float:
+    """Wait until the client has sent nothing for `quiet_for` s (every waiter is parked),
+    or `at_most` s for clients that never go quiet (pollers). Watches a local counter."""
+    started = time.monotonic()
+    last, since = log.mark(), started
+    while time.monotonic() - started < at_most:
+        await asyncio.sleep(0.05)
+        now, mark = time.monotonic(), log.mark()
+        if mark != last:
+            last, since = mark, now
+        elif now - since >= quiet_for:
+            break
+    return round(time.monotonic() - started, 3)
+
+
 async def info_snapshot(admin: redis.asyncio.Redis) -> dict[str, Any]:
     """Server counters the scale and waiting workloads compare (INFO is never counted)."""
     info: dict[str, Any] = await admin.info()
@@ -152,7 +167,7 @@ async def waiting_cost(
     *,
     waiters: int,
     window: float,
-    settle: float,
+    settle_s: float,
     cap: float,
 ) -> dict[str, Any]:
     """`waiters` workers wait on a lock `holder` holds; commands over a `window` of waiting
@@ -162,7 +177,7 @@ async def waiting_cost(
         return {"error": "the holder could not take the lock"}
     locks = [peer.lock(NAME) for _ in range(waiters)]
     served: list[int] = []
-    deadline = time.monotonic() + settle + window + cap
+    deadline = time.monotonic() + settle_s + window + cap
 
     async def body(index: int) -> None:
         if await locks[index].acquire(max(0.0, deadline - time.monotonic())):
@@ -172,7 +187,7 @@ async def waiting_cost(
     start_mark = peer.log.mark()
     start = await info_snapshot(admin)
     runner = asyncio.ensure_future(run_workers(peer, waiters, body))
-    await asyncio.sleep(settle)
+    settled = await settle(peer.log, settle_s)
     marks = [peer.log.mark()]
     snapshots = [await info_snapshot(admin)]
     for _ in range(2):
@@ -192,6 +207,7 @@ async def waiting_cost(
     server_halves = [server_commands(snapshots[i], snapshots[i + 1]) for i in range(2)]
     return {
         "waiters": waiters,
+        "settled_s": settled,
         "window_s": round(snapshots[2]["at"] - snapshots[0]["at"], 3),
         "client_commands_in_window": sum(halves),
         "client_commands_by_half": halves,
@@ -314,7 +330,7 @@ async def scale(
     *,
     waiters: int,
     names: int,
-    settle: float,
+    settle_s: float,
     window: float,
     cap: float,
 ) -> dict[str, Any]:
@@ -352,7 +368,7 @@ async def scale(
         result["pile_up_s"] = round(time.monotonic() - started, 3)
     except (TimeoutError, asyncio.TimeoutError):
         result["capped"] = f"only {len(holding)} of {names} names held within the cap"
-    await asyncio.sleep(settle)
+    result["settled_s"] = await settle(peer.log, settle_s)
     marks = [peer.log.mark()]
     snapshots = [await info_snapshot(admin)]
     for _ in range(2):
@@ -387,6 +403,10 @@ async def scale(
             ),
             "window_s": round(snapshots[2]["at"] - snapshots[0]["at"], 3),
             "client_commands_by_half": halves,
+            "client_by_command_by_half": [
+                dict(peer.log.commands_since(marks[i], marks[i + 1]).most_common(6))
+                for i in range(2)
+            ],
             "server_commands_by_half": [
                 server_commands(snapshots[i], snapshots[i + 1]) for i in range(2)
             ],

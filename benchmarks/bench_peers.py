@@ -322,7 +322,7 @@ async def worker_main(spec: dict[str, Any]) -> None:
                     admin,
                     waiters=spec["waiters"],
                     names=spec["names"],
-                    settle=1.0,
+                    settle_s=5.0,
                     window=spec["window"],
                     cap=spec["cap"],
                 )
@@ -445,7 +445,7 @@ async def waiting(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any]:
                 admin,
                 waiters=plan.waiters,
                 window=plan.wait_window_s,
-                settle=1.0,
+                settle_s=3.0,
                 cap=plan.cap_s,
             )
 
@@ -550,11 +550,21 @@ async def crash_recovery(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str
             }
         )
     recoveries = [t["recovery_ms"] for t in trials if t["recovered"]]
+    beyond = [
+        t["recovery_ms"] - t["lease_left_at_kill_ms"]
+        for t in trials
+        if t["recovered"] and t["lease_left_at_kill_ms"] is not None
+    ]
     return {
         "trials": trials,
         "recovery_ms": {
             "median": statistics.median(recoveries) if recoveries else None,
             "max": max(recoveries, default=None),
+        },
+        # How long after the lease ran out the next holder had it: the detection delay.
+        "beyond_lease_ms": {
+            "median": statistics.median(beyond) if beyond else None,
+            "max": max(beyond, default=None),
         },
         "lease_left_at_kill_ms": statistics.median(
             [t["lease_left_at_kill_ms"] for t in trials if t["lease_left_at_kill_ms"] is not None]
@@ -827,6 +837,8 @@ COLUMNS: dict[str, list[Column]] = {
         ("recovery median ms", lambda r: r.get("recovery_ms", {}).get("median"), 0),
         ("recovery max ms", lambda r: r.get("recovery_ms", {}).get("max"), 0),
         ("lease left at kill ms", lambda r: r.get("lease_left_at_kill_ms"), 0),
+        ("after lease end, median ms", lambda r: r.get("beyond_lease_ms", {}).get("median"), 0),
+        ("after lease end, max ms", lambda r: r.get("beyond_lease_ms", {}).get("max"), 0),
         ("trials", lambda r: len(r["trials"]) if "trials" in r else None, 0),
     ],
     "scale": [
@@ -906,7 +918,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
         axes[1].barh(ys, p99s, height, label=title, color=colour)
     axes[0].set_title("throughput, acquisitions/s (higher is better)")
     axes[1].set_title("p99 wait, ms, log scale (lower is better)")
-    axes[1].set_xscale("log")
+    if any(patch.get_width() > 0 for patch in axes[1].patches):
+        axes[1].set_xscale("log")
     for ax in axes:
         ax.set_yticks(range(len(keys)))
         ax.set_yticklabels(labels)

@@ -200,6 +200,8 @@ def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--json", type=Path, default=RESULTS / "primitives.json")
+    # Accepted so `nox -s bench -- --quick` can pass it to every benchmark; this one is short.
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     host = machine()  # before the runs: the load average is the one they started under
     with bench_server(args.url) as (url, _source):
