@@ -176,7 +176,9 @@ class PythonRedisLockPeer(Peer):
 
     def __init__(self, url: str, log: CommandLog, ttl: float, renew: bool) -> None:
         super().__init__(url, log, ttl, renew)
-        self.sync_client = counted_sync_client(url, log)
+        # redis-py 8's blocking client times reads out after 5 s by default, which breaks
+        # any BLPOP wait longer than that (TimeoutError, after a minute of retries).
+        self.sync_client = counted_sync_client(url, log, socket_timeout=None)
 
     def lock(self, name: str) -> Contender:
         return _PythonRedisLock(self.sync_client, name, max(1, round(self.ttl)), self.renew)

@@ -69,6 +69,7 @@ from _workloads import (
     handoff,
     run_handoff_in_thread_or_task,
     scale,
+    server_cpu,
     waiting_cost,
 )
 
@@ -152,7 +153,12 @@ async def warm(peer: Peer, connections: int) -> None:
 
 
 def summarize(
-    raw: dict[str, Any], client_side: Counter[str], before: Any, after: Any, expected: int
+    raw: dict[str, Any],
+    client_side: Counter[str],
+    before: Any,
+    after: Any,
+    expected: int,
+    server_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """acq/s, waits, commands per acquisition, re-grabs and the counter, from `contend` records
     (of one or several processes)."""
@@ -172,6 +178,11 @@ def summarize(
         "wait_ms": wait_summary([record[1] for record in records]),
         "cycle_ms": {"median": ms(percentile(cycles, 50)), "p99": ms(percentile(cycles, 99))},
         "mean_hold_ms": ms(statistics.fmean(holds)) if holds else None,
+        # CPU per acquisition: where the time goes on a small machine.
+        "client_cpu_ms_per_acquisition": ms(raw["cpu_s"] / n) if n else None,
+        "server_cpu_ms_per_acquisition": (
+            ms(server_cpu_s / n) if n and server_cpu_s is not None else None
+        ),
         "client_commands_per_acquisition": per(counted.client_lock, n),
         "server_commands_per_acquisition": per(counted.server_lock, n),
         "regrab_share": round(regrabs / (n - 1), 4) if n > 1 else None,
@@ -356,12 +367,14 @@ async def contended(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any
         await warm(peer, plan.tasks + 2)
         engine = peer.engine_commands() if isinstance(peer, AiolocksPeer) else None
         mark, before = peer.log.mark(), await server_calls(admin)
+        cpu = await server_cpu(admin)
         raw = await contend(
             peer, tasks=plan.tasks, iterations=plan.iterations, critical=True, cap=plan.cap_s
         )
+        cpu = await server_cpu(admin) - cpu
         client_side = peer.log.commands_since(mark)
         after = await server_calls(admin)
-        result = summarize(raw, client_side, before, after, plan.tasks * plan.iterations)
+        result = summarize(raw, client_side, before, after, plan.tasks * plan.iterations, cpu)
         if engine is not None and isinstance(peer, AiolocksPeer):
             result["aiolocks_engine_commands_sent"] = peer.engine_commands() - engine
         add_counter(result, await admin.get(COUNTER))
@@ -397,12 +410,15 @@ async def processes(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any
             for proc in procs:
                 await proc.expect("ready", 60)
             before = await server_calls(admin)
+            cpu = await server_cpu(admin)
             for proc in procs:
                 proc.send("go")
             reports = [await proc.expect("result", plan.cap_s + 30) for proc in procs]
+            cpu = await server_cpu(admin) - cpu
             after = await server_calls(admin)
         raws = [report["raw"] for report in reports]
         merged = {
+            "cpu_s": sum(raw["cpu_s"] for raw in raws),
             "records": [record for raw in raws for record in raw["records"]],
             "increments": sum(raw["increments"] for raw in raws),
             "timeouts": sum(raw["timeouts"] for raw in raws),
@@ -414,7 +430,7 @@ async def processes(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any
         client_side: Counter[str] = sum(
             (Counter(report["client"]) for report in reports), Counter()
         )
-        result = summarize(merged, client_side, before, after, expected)
+        result = summarize(merged, client_side, before, after, expected, cpu)
         add_counter(result, await admin.get(COUNTER))
     holders = [record[4] for record in sorted(merged["records"])]
     result["same_process_share"] = (
@@ -793,6 +809,8 @@ _ACQ: list[Column] = [
     ("wait max ms", lambda r: r.get("wait_ms", {}).get("max"), 1),
     ("client cmds/acq", lambda r: r.get("client_commands_per_acquisition"), 2),
     ("server cmds/acq", lambda r: r.get("server_commands_per_acquisition"), 2),
+    ("client CPU ms/acq", _get("client_cpu_ms_per_acquisition"), 3),
+    ("server CPU ms/acq", _get("server_cpu_ms_per_acquisition"), 3),
     ("re-grabs", regrab_cell, 0),
     ("counter", counter_cell, 0),
 ]
@@ -913,7 +931,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
         ys = [i + offset for i in range(len(keys))]
         rates = [rows.get(k, {}).get("acquisitions_per_s") or 0 for k in keys]
         p99s = [rows.get(k, {}).get("wait_ms", {}).get("p99") or 0 for k in keys]
-        title = WORKLOADS[workload][1].split(":")[0]
+        title = {"contended": "one process, 16 tasks", "processes": "4 processes x 8 tasks"}[
+            workload
+        ]
         axes[0].barh(ys, rates, height, label=title, color=colour)
         axes[1].barh(ys, p99s, height, label=title, color=colour)
     axes[0].set_title("throughput, acquisitions/s (higher is better)")
@@ -925,7 +945,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
         ax.set_yticklabels(labels)
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    axes[0].legend(loc="lower right", fontsize=8)
+    axes[0].legend(loc="upper right", fontsize=8)
     m = report["machine"]
     fig.suptitle(
         f"aiolocks vs peers, one run on {report['server']['version']}, {m['nproc']} CPUs "
