@@ -353,9 +353,18 @@ async def scale(
     timeouts: list[int] = []
     deadline = time.monotonic() + cap
 
+    tried: list[int] = []  # tasks whose acquire() returned or raised
+    all_tried = asyncio.Event()
+
     async def body(index: int) -> None:
         lock = peer.lock(f"bench:scale:{index % names}")
-        if not await lock.acquire(max(0.0, deadline - time.monotonic())):
+        try:
+            acquired = await lock.acquire(max(0.0, deadline - time.monotonic()))
+        finally:
+            tried.append(index)
+            if len(tried) == waiters:
+                all_tried.set()
+        if not acquired:
             timeouts.append(index)
             return
         try:
@@ -371,13 +380,13 @@ async def scale(
     started = time.monotonic()
     runner = asyncio.ensure_future(run_workers(peer, waiters, body))
     result: dict[str, Any] = {"waiters": waiters, "names": names}
+    # Until every name is held, or no task is still asking (errors, timeouts), or the cap.
     pile_up = asyncio.ensure_future(piled.wait())
-    await asyncio.wait(  # every name held; or every task over already (errors)
-        {pile_up, runner},
-        timeout=max(0.0, deadline - time.monotonic()),
-        return_when="FIRST_COMPLETED",
-    )
+    stuck = asyncio.ensure_future(all_tried.wait())
+    left = max(0.0, deadline - time.monotonic())
+    await asyncio.wait({pile_up, stuck}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
     pile_up.cancel()
+    stuck.cancel()
     if piled.is_set():
         result["pile_up_s"] = round(time.monotonic() - started, 3)
     else:
