@@ -291,6 +291,18 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def counter_cell(result: dict[str, Any]) -> str:
+    """The protected counter as a table cell: exact, short of the plan, or WRONG."""
+    counter = result.get("counter")
+    if counter is None:
+        return "-"
+    if not result["counter_exact"]:
+        return f"{counter} WRONG (done {result['increments_done']})"
+    if not result["counter_complete"]:
+        return f"{counter} of {result['expected_acquisitions']}"
+    return f"{counter} exact"
+
+
 async def hard_stopped(run: Coroutine[Any, Any, dict[str, Any]], cap: float) -> dict[str, Any]:
     """`run`, cancelled and reported as an error if it outlives `cap` + a grace period."""
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import redis.asyncio
-from _harness import CommandLog, server_calls
+from _harness import CommandLog, is_setup, server_calls
 from _peers import Peer
 
 NAME = "bench:lock"
@@ -149,23 +149,31 @@ async def info_snapshot(admin: redis.asyncio.Redis) -> dict[str, Any]:
     }
 
 
+async def observe(
+    log: CommandLog, admin: redis.asyncio.Redis, window: float
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Client marks and server snapshots at the start, middle and end of `window` s."""
+    marks = [log.mark()]
+    snapshots = [await info_snapshot(admin)]
+    for _ in range(2):
+        await asyncio.sleep(window / 2)
+        marks.append(log.mark())
+        snapshots.append(await info_snapshot(admin))
+    return marks, snapshots
+
+
 def server_commands(before: dict[str, Any], after: dict[str, Any]) -> int:
     """Commands the server ran between two snapshots (INFO and connection set-up left out)."""
-    total = 0
-    for name, calls in after["calls"].items():
-        if name == "info" or name in ("hello", "auth", "select") or name.startswith("client|"):
-            continue
-        total += calls - before["calls"].get(name, 0)
-    return total
+    return sum(
+        calls - before["calls"].get(name, 0)
+        for name, calls in after["calls"].items()
+        if name != "info" and not is_setup(name)
+    )
 
 
 def lock_commands(counter: Counter[str]) -> int:
     """Client-side commands that are not connection set-up."""
-    return sum(
-        n
-        for name, n in counter.items()
-        if name not in ("hello", "auth", "select") and not name.startswith("client|")
-    )
+    return sum(n for name, n in counter.items() if not is_setup(name))
 
 
 async def waiting_cost(
@@ -196,12 +204,7 @@ async def waiting_cost(
     start = await info_snapshot(admin)
     runner = asyncio.ensure_future(run_workers(peer, waiters, body))
     settled = await settle(peer.log, settle_s)
-    marks = [peer.log.mark()]
-    snapshots = [await info_snapshot(admin)]
-    for _ in range(2):
-        await asyncio.sleep(window / 2)
-        marks.append(peer.log.mark())
-        snapshots.append(await info_snapshot(admin))
+    marks, snapshots = await observe(peer.log, admin, window)
     released = time.monotonic()
     await held.release()
     errors = await runner
@@ -392,12 +395,7 @@ async def scale(
     else:
         result["capped"] = f"only {len(holding)} of {names} names held"
     result["settled_s"] = await settle(peer.log, settle_s)
-    marks = [peer.log.mark()]
-    snapshots = [await info_snapshot(admin)]
-    for _ in range(2):
-        await asyncio.sleep(window / 2)
-        marks.append(peer.log.mark())
-        snapshots.append(await info_snapshot(admin))
+    marks, snapshots = await observe(peer.log, admin, window)
     rss_waiting = rss_bytes()
     released = time.monotonic()
     drain.set()

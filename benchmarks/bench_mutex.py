@@ -55,6 +55,7 @@ from _harness import (
     bench_server,
     count,
     counted_client,
+    counter_cell,
     fmt,
     hard_stopped,
     machine,
@@ -446,17 +447,6 @@ def notes(result: dict[str, Any]) -> str:
     if result.get("errors"):
         parts.append(f"{len(result['errors'])} task errors: {result['errors'][0]}")
     return "; ".join(parts)
-
-
-def counter_cell(result: dict[str, Any]) -> str:
-    counter = result.get("counter")
-    if counter is None:
-        return "-"
-    if not result["counter_exact"]:
-        return f"{counter} WRONG (done {result['increments_done']})"
-    if not result["counter_complete"]:
-        return f"{counter} of {result['expected_acquisitions']}"
-    return f"{counter} exact"
 
 
 def by_command(commands: dict[str, int]) -> str:

@@ -45,6 +45,7 @@ from _harness import (
     CommandLog,
     bench_server,
     count,
+    counter_cell,
     fmt,
     hard_stopped,
     loadavg,
@@ -67,6 +68,7 @@ from _workloads import (
     QueueBaton,
     contend,
     handoff,
+    lock_commands,
     run_handoff_in_thread_or_task,
     scale,
     server_cpu,
@@ -471,13 +473,10 @@ def handoff_summary(rounds: list[tuple[int, float, float]], client: Counter[str]
     latencies = [
         by_round[k][0] - by_round[k - 1][1] for k in sorted(by_round) if k - 1 in by_round and k
     ]
-    lock_cmds = sum(
-        n for name, n in client.items() if name not in ("hello", "select") and "client|" not in name
-    )
     return {
         "handoffs": len(latencies),
         "latency_ms": wait_summary(latencies),
-        "client_commands_per_acquisition": per(lock_cmds, len(by_round)),
+        "client_commands_per_acquisition": per(lock_commands(client), len(by_round)),
     }
 
 
@@ -778,16 +777,6 @@ def notes(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def counter_cell(result: dict[str, Any]) -> str:
-    if "counter" not in result:
-        return "-"
-    if not result["counter_exact"]:
-        return f"{result['counter']} WRONG (done {result['increments_done']})"
-    if not result["counter_complete"]:
-        return f"{result['counter']} of {result['expected_acquisitions']}"
-    return f"{result['counter']} exact"
-
-
 def regrab_cell(result: dict[str, Any]) -> str:
     share = result.get("regrab_share")
     return "-" if share is None else f"{share:.1%}"
@@ -796,19 +785,22 @@ def regrab_cell(result: dict[str, Any]) -> str:
 Column = tuple[str, Callable[[dict[str, Any]], Any], int]
 
 
-def _get(field: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda result: result.get(field)
+def _get(field: str, sub: str | None = None) -> Callable[[dict[str, Any]], Any]:
+    """A cell's value: result[field], or result[field][sub]; None when missing."""
+    if sub is None:
+        return lambda result: result.get(field)
+    return lambda result: (result.get(field) or {}).get(sub)
 
 
 _ACQ: list[Column] = [
-    ("acq/s", lambda r: r.get("acquisitions_per_s"), 0),
-    ("x floor", lambda r: r.get("x_floor"), 3),
-    ("aiolocks x", lambda r: r.get("aiolocks_x"), 2),
-    ("wait p50 ms", lambda r: r.get("wait_ms", {}).get("p50"), 2),
-    ("wait p99 ms", lambda r: r.get("wait_ms", {}).get("p99"), 2),
-    ("wait max ms", lambda r: r.get("wait_ms", {}).get("max"), 1),
-    ("client cmds/acq", lambda r: r.get("client_commands_per_acquisition"), 2),
-    ("server cmds/acq", lambda r: r.get("server_commands_per_acquisition"), 2),
+    ("acq/s", _get("acquisitions_per_s"), 0),
+    ("x floor", _get("x_floor"), 3),
+    ("aiolocks x", _get("aiolocks_x"), 2),
+    ("wait p50 ms", _get("wait_ms", "p50"), 2),
+    ("wait p99 ms", _get("wait_ms", "p99"), 2),
+    ("wait max ms", _get("wait_ms", "max"), 1),
+    ("client cmds/acq", _get("client_commands_per_acquisition"), 2),
+    ("server cmds/acq", _get("server_commands_per_acquisition"), 2),
     ("client CPU ms/acq", _get("client_cpu_ms_per_acquisition"), 3),
     ("server CPU ms/acq", _get("server_cpu_ms_per_acquisition"), 3),
     ("re-grabs", regrab_cell, 0),
@@ -816,57 +808,57 @@ _ACQ: list[Column] = [
 ]
 COLUMNS: dict[str, list[Column]] = {
     "uncontended": [
-        ("cycle median ms", lambda r: r.get("cycle_ms", {}).get("median"), 3),
-        ("cycle p99 ms", lambda r: r.get("cycle_ms", {}).get("p99"), 3),
-        ("cycles/s", lambda r: r.get("cycles_per_s"), 0),
-        ("x floor", lambda r: r.get("x_floor"), 4),
-        ("aiolocks x", lambda r: r.get("aiolocks_x"), 2),
-        ("client cmds/acq", lambda r: r.get("client_commands_per_acquisition"), 2),
-        ("server cmds/acq", lambda r: r.get("server_commands_per_acquisition"), 2),
+        ("cycle median ms", _get("cycle_ms", "median"), 3),
+        ("cycle p99 ms", _get("cycle_ms", "p99"), 3),
+        ("cycles/s", _get("cycles_per_s"), 0),
+        ("x floor", _get("x_floor"), 4),
+        ("aiolocks x", _get("aiolocks_x"), 2),
+        ("client cmds/acq", _get("client_commands_per_acquisition"), 2),
+        ("server cmds/acq", _get("server_commands_per_acquisition"), 2),
     ],
     "contended": _ACQ,
     "processes": _ACQ,
     "waiting": [
         (
             "client cmds/waiter, whole wait",
-            lambda r: r.get("client_commands_per_waiter_whole_wait"),
+            _get("client_commands_per_waiter_whole_wait"),
             2,
         ),
         ("client cmds in window (halves)", lambda r: _halves(r, "client_commands_by_half"), 0),
         (
             "server cmds/waiter in window",
-            lambda r: r.get("server_commands_per_waiter_in_window"),
+            _get("server_commands_per_waiter_in_window"),
             2,
         ),
-        ("connections opened", lambda r: r.get("connections_opened"), 0),
-        ("served", lambda r: r.get("served"), 0),
+        ("connections opened", _get("connections_opened"), 0),
+        ("served", _get("served"), 0),
         ("drain ms", lambda r: None if r.get("drain_s") is None else r["drain_s"] * 1000, 1),
     ],
     "handoff": [
-        ("p50 ms", lambda r: r.get("latency_ms", {}).get("p50"), 3),
-        ("p99 ms", lambda r: r.get("latency_ms", {}).get("p99"), 3),
-        ("max ms", lambda r: r.get("latency_ms", {}).get("max"), 2),
-        ("x floor", lambda r: r.get("x_floor"), 1),
-        ("x EVALSHA RTT", lambda r: r.get("x_evalsha_rtt"), 2),
-        ("client cmds/acq", lambda r: r.get("client_commands_per_acquisition"), 2),
-        ("hand-offs", lambda r: r.get("handoffs"), 0),
+        ("p50 ms", _get("latency_ms", "p50"), 3),
+        ("p99 ms", _get("latency_ms", "p99"), 3),
+        ("max ms", _get("latency_ms", "max"), 2),
+        ("x floor", _get("x_floor"), 1),
+        ("x EVALSHA RTT", _get("x_evalsha_rtt"), 2),
+        ("client cmds/acq", _get("client_commands_per_acquisition"), 2),
+        ("hand-offs", _get("handoffs"), 0),
     ],
     "crash": [
-        ("recovery median ms", lambda r: r.get("recovery_ms", {}).get("median"), 0),
-        ("recovery max ms", lambda r: r.get("recovery_ms", {}).get("max"), 0),
-        ("lease left at kill ms", lambda r: r.get("lease_left_at_kill_ms"), 0),
-        ("after lease end, median ms", lambda r: r.get("beyond_lease_ms", {}).get("median"), 0),
-        ("after lease end, max ms", lambda r: r.get("beyond_lease_ms", {}).get("max"), 0),
+        ("recovery median ms", _get("recovery_ms", "median"), 0),
+        ("recovery max ms", _get("recovery_ms", "max"), 0),
+        ("lease left at kill ms", _get("lease_left_at_kill_ms"), 0),
+        ("after lease end, median ms", _get("beyond_lease_ms", "median"), 0),
+        ("after lease end, max ms", _get("beyond_lease_ms", "max"), 0),
         ("trials", lambda r: len(r["trials"]) if "trials" in r else None, 0),
     ],
     "scale": [
-        ("pile-up s", lambda r: r.get("pile_up_s"), 2),
-        ("drain s", lambda r: r.get("drain_s"), 2),
-        ("x floor", lambda r: r.get("x_floor"), 1),
-        ("served", lambda r: r.get("served"), 0),
-        ("connections", lambda r: r.get("connections_opened"), 0),
-        ("RSS MB", lambda r: r.get("rss_added_mb"), 1),
-        ("server MB", lambda r: r.get("server_memory_added_mb"), 2),
+        ("pile-up s", _get("pile_up_s"), 2),
+        ("drain s", _get("drain_s"), 2),
+        ("x floor", _get("x_floor"), 1),
+        ("served", _get("served"), 0),
+        ("connections", _get("connections_opened"), 0),
+        ("RSS MB", _get("rss_added_mb"), 1),
+        ("server MB", _get("server_memory_added_mb"), 2),
         ("cmds in window (halves)", lambda r: _halves(r, "client_commands_by_half"), 0),
     ],
 }
