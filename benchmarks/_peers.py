@@ -216,7 +216,7 @@ class _PotteryLock:
         self._lock = AIORedlock(key=name, masters={client}, auto_release_time=ttl)
 
     async def acquire(self, timeout: float) -> bool:
-        return await self._lock.acquire(timeout=timeout)
+        return bool(await self._lock.acquire(timeout=timeout))
 
     async def release(self) -> None:
         await self._lock.release()
