@@ -151,6 +151,39 @@ async def test_mutual_exclusion_across_processes_on_a_cluster(
         assert sorted(fences[name]) == list(range(1, workers * iterations + 1)), name
 
 
+class Turns:
+    """Waiters on one mutex, queued one by one alternately through two clients; each
+    records its turn (index, fence) and checks that nobody else is inside meanwhile."""
+
+    def __init__(self, clients: tuple[RedisCluster, RedisCluster], name: str) -> None:
+        self.clients = clients
+        self.name = name
+        self.taken: list[tuple[int, int]] = []  # (index, fence) in the order they held it
+        self.tasks: list[asyncio.Task[None]] = []
+        self._inside = 0
+        self._probes = [QueueProbe(client) for client in clients]
+
+    async def queue(self, count: int, ttl: float) -> None:
+        """Start `count` waiters; return once the server has queued every one of them."""
+        for index in range(count):
+            probe = self._probes[index % 2]
+            client = self.clients[index % 2]
+            self.tasks.append(asyncio.create_task(self._turn(client, index, ttl)))
+            await probe.wait_queued(len(probe.queued) + 1)
+
+    async def _turn(self, client: RedisCluster, index: int, ttl: float) -> None:
+        async with RedisMutex(client, self.name, ttl=ttl, timeout=60) as mine:
+            self._inside += 1
+            assert self._inside == 1
+            assert mine.fencing_token is not None
+            self.taken.append((index, mine.fencing_token))
+            await asyncio.sleep(0.01)
+            self._inside -= 1
+
+    async def finish(self, timeout: float) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), timeout)
+
+
 async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster: Cluster) -> None:
     """A held mutex's slot is migrated to another node while 6 waiters (two clients)
     wait: afterwards they all acquire, in the order they queued, one at a time, with
@@ -160,42 +193,20 @@ async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster
     source = cluster.owner(slot)
     target = next(node for node in cluster.nodes if node is not source)
     other = cluster.client()
-    order: list[int] = []
-    fences: list[int] = []
-    inside = 0
     try:
         holder = RedisMutex(cluster_r, name, ttl=10)
         assert await holder.acquire()
         first_fence = holder.fencing_token
         assert first_fence is not None
-        probes = {id(cluster_r): QueueProbe(cluster_r), id(other): QueueProbe(other)}
-
-        async def wait_turn(client: RedisCluster, index: int) -> None:
-            nonlocal inside
-            async with RedisMutex(client, name, ttl=10, timeout=30) as mine:
-                inside += 1
-                assert inside == 1
-                order.append(index)
-                assert mine.fencing_token is not None
-                fences.append(mine.fencing_token)
-                await asyncio.sleep(0.01)
-                inside -= 1
-
-        waiting = []
-        for index in range(6):
-            client = (cluster_r, other)[index % 2]
-            probe = probes[id(client)]
-            waiting.append(asyncio.create_task(wait_turn(client, index)))
-            await probe.wait_queued(len(probe.queued) + 1)
-
+        turns = Turns((cluster_r, other), name)
+        await turns.queue(6, ttl=10)
         await cluster.migrate_slot(slot, target)
         assert cluster.owner(slot) is target
         await holder.release()  # goes to the new owner (MOVED), hands over by SPUBLISH there
-        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        await turns.finish(30)
     finally:
         await other.aclose()
-    assert order == list(range(6))
-    assert fences == list(range(first_fence + 1, first_fence + 7))
+    assert turns.taken == [(index, first_fence + 1 + index) for index in range(6)]
     info = await RedisMutex(cluster_r, name).inspect()
     assert (info.owner, info.queue_length) == (None, 0)
     async with redis.asyncio.Redis(host="127.0.0.1", port=target.port) as node:
@@ -209,38 +220,20 @@ async def test_waiters_survive_their_node_restarting(
     clients) wait: the holder is told (LockLost), and every waiter still gets the mutex,
     one at a time, once the node is back; its pub/sub links reconnect on their own."""
     name = names_on_each_node(cluster, 1, prefix="restart")[0][0]
-    node = cluster.node_of(name)
     other = cluster.client()
-    inside = 0
-    got: list[int] = []
     try:
         holder = RedisMutex(cluster_r, name, ttl=2)
         assert await holder.acquire()
-        probes = {id(cluster_r): QueueProbe(cluster_r), id(other): QueueProbe(other)}
-
-        async def wait_turn(client: RedisCluster, index: int) -> None:
-            nonlocal inside
-            async with RedisMutex(client, name, ttl=5, timeout=60):
-                inside += 1
-                assert inside == 1
-                got.append(index)
-                await asyncio.sleep(0.01)
-                inside -= 1
-
-        waiting = []
-        for index in range(4):
-            client = (cluster_r, other)[index % 2]
-            probe = probes[id(client)]
-            waiting.append(asyncio.create_task(wait_turn(client, index)))
-            await probe.wait_queued(len(probe.queued) + 1)
-
-        await cluster.restart_node(node)
+        turns = Turns((cluster_r, other), name)
+        await turns.queue(4, ttl=5)
+        await cluster.restart_node(cluster.node_of(name))
         # The owner key is gone with the node's data: the holder's next renewal says so.
         await asyncio.wait_for(holder.lost.wait(), 10)
-        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        await turns.finish(60)
     finally:
         await other.aclose()
-    assert sorted(got) == [0, 1, 2, 3]
+    # The queue was lost with the node: they re-queued, in whatever order they re-checked.
+    assert sorted(index for index, _ in turns.taken) == [0, 1, 2, 3]
 
 
 # -- Sentinel ----------------------------------------------------------------------------
