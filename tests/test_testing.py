@@ -88,7 +88,12 @@ def test_a_users_suite_in_strict_mode(
 ) -> None:
     root = str(Path(__file__).resolve().parent.parent)  # this checkout's aiolocks
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.getenv("PYTHONPATH")])))
-    pytester.makeini("[pytest]\nasyncio_mode = strict\nfilterwarnings = error\n")
+    # As a careful user's suite would be: strict mode, warnings as errors, and the loop
+    # scope of async fixtures set (pytest-asyncio warns when it is not, an error here).
+    pytester.makeini(
+        "[pytest]\nasyncio_mode = strict\nasyncio_default_fixture_loop_scope = function\n"
+        "filterwarnings = error\n"
+    )
     pytester.makeconftest('pytest_plugins = ["aiolocks.testing"]\n')
     pytester.makepyfile(
         test_orders="""
