@@ -105,6 +105,7 @@ async def acquire(
             retained = True
             mode = "wait"
         outage = _RETRY_MIN
+        answered = False  # the server has answered this acquisition at least once
         while True:
             sent_at = time.monotonic()
             dirty = True
@@ -114,7 +115,7 @@ async def acquire(
                     deadline,
                 )
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                if waiter is None or cancelling():
+                if not answered or waiter is None or cancelling():
                     raise  # the first try: the caller learns Redis is unreachable
                 # Queued already: a server that restarts or fails over must not end the
                 # wait. Re-try after a back-off (or sooner, on a reconnect), until the
@@ -129,7 +130,7 @@ async def acquire(
                     dirty = False
                     return Grant(token, waiter.fence, waiter.granted_at)
                 continue
-            outage = _RETRY_MIN
+            outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
             if len(reply) > 2:
                 wake_granted(context, spec, reply, 2)  # others it let in, maybe local
