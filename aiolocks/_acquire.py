@@ -43,6 +43,14 @@ T = TypeVar("T")
 CLEANUP_BOUND = 5.0
 # Back-off between re-checks of a queued waiter while Redis cannot be reached.
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
+# What a server that restarts or fails over answers for a while: a queued waiter waits on.
+_PASSING_OUTAGE = (
+    redis.exceptions.ConnectionError,  # BusyLoadingError too: a restart loading its data
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,  # a Cluster node back but not yet serving its slots
+    redis.exceptions.TryAgainError,  # a slot in the middle of a move
+    redis.exceptions.ReadOnlyError,  # a demoted primary, before the client finds the new one
+)
 
 log = logging.getLogger("aiolocks")
 
@@ -114,7 +122,7 @@ async def acquire(
                     context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
                     deadline,
                 )
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            except _PASSING_OUTAGE:
                 if not answered or waiter is None or cancelling():
                     raise  # the first try: the caller learns Redis is unreachable
                 # Queued already: a server that restarts or fails over must not end the
