@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from ._scripts import Script
 from ._waitqueue import WaitQueue
 
 __all__ = ["ClientContext", "context_for"]
+
+log = logging.getLogger("aiolocks")
 
 # Commands the engine keeps in flight per client at most. redis-py's pool fails fast
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
@@ -59,6 +62,8 @@ class ClientContext:
         self.client = client
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
         self._execute: Callable[..., Awaitable[Any]] = client.execute_command
+        if isinstance(client, RedisCluster):
+            self._execute = self._cluster_execute
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
@@ -170,6 +175,20 @@ class ClientContext:
             self.commands_sent += len(calls)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
+
+    async def _cluster_execute(self, *args: Any, **options: Any) -> Any:
+        """`RedisCluster.execute_command`, sent again when redis-py 8.1 fails it with
+        AttributeError ('NoneType' has no 'writelines'): a topology refresh closed the
+        connection from a background task while it was connecting. Nothing was written
+        then, so sending again is safe whatever the command."""
+        execute: Callable[..., Awaitable[Any]] = self.client.execute_command
+        try:
+            return await execute(*args, **options)
+        except AttributeError as exc:
+            if "writelines" not in str(exc):
+                raise
+            log.debug("aiolocks: redis-py closed a connection under a command; sending again")
+            return await execute(*args, **options)
 
     async def _ready(self) -> None:
         initialised = self._initialised

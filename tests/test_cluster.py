@@ -307,3 +307,29 @@ def test_every_key_and_channel_of_a_primitive_shares_one_slot(name: str) -> None
     registry = RedisRegistry(client, name)
     keys = (registry._ids, registry._names, registry._counter)
     assert {key_slot(key) for key in keys} == {key_slot(name.encode())}
+
+
+async def test_a_command_redis_py_dropped_before_sending_is_sent_again(
+    cluster_r: RedisCluster, cluster: Cluster
+) -> None:
+    """redis-py 8.1's cluster client can fail a command with AttributeError when a topology
+    refresh closes the connection while it connects (nothing was sent): the engine sends
+    it again. The failure is injected once, by the client class, on a real cluster."""
+
+    class Dropping(RedisCluster):
+        drops = 1
+
+        async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+            if self.drops and args[0] == "EVALSHA":
+                self.drops -= 1
+                raise AttributeError("'NoneType' object has no attribute 'writelines'")
+            return await super().execute_command(*args, **kwargs)
+
+    client = Dropping(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        mutex = RedisMutex(client, "dropped")
+        async with mutex:
+            assert mutex.fencing_token == 1
+        assert client.drops == 0
+    finally:
+        await client.aclose()
