@@ -254,8 +254,10 @@ async def test_the_lock_service_survives_a_failover(two_replica_group: SentinelG
     sentinel_group = two_replica_group
     holder_client = sentinel_group.master_for()
     waiter_client = sentinel_group.master_for()
-    # The replica left re-syncs with the new primary after the failover: allow for it.
-    options: dict[str, Any] = {"ttl": 10, "replicas": 1, "replica_timeout": 10}
+    # The replica left re-syncs with the new primary after the failover: allow for it. The
+    # lease must outlast the failover (a few seconds; more on a loaded machine), or the
+    # holder is rightly told LockLost.
+    options: dict[str, Any] = {"ttl": 30, "replicas": 1, "replica_timeout": 10}
     holder = RedisMutex(holder_client, "failover", **options)
     waiter = RedisMutex(waiter_client, "failover", timeout=30, **options)
     assert await holder.acquire()
