@@ -36,10 +36,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The mutex benchmark: `nox -s bench -- <benchmark options>`."""
-    session.install("-e", ".[bench]")
+    """Every benchmark, peers included: `nox -s bench -- --quick` (options go to the mutex,
+    primitives and peers scripts; the registry and cluster ones run as they are)."""
+    session.install("-e", ".[bench,bench-peers]")
     session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
-    session.run("python", "benchmarks/bench_primitives.py")
+    session.run("python", "benchmarks/bench_primitives.py", *session.posargs)
+    session.run("python", "benchmarks/bench_peers.py", *session.posargs)
+    session.run("python", "benchmarks/bench_registry.py")
+    session.run("python", "benchmarks/bench_cluster.py")
 
 
 @nox.session

@@ -11,10 +11,12 @@ from ._errors import LockLost as LockLost
 from ._errors import LockNotOwned as LockNotOwned
 from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
+from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
+from .registry import RedisRegistry as RedisRegistry
 from .rwlock import ReadLock as ReadLock
 from .rwlock import RedisReadWriteLock as RedisReadWriteLock
 from .rwlock import RWLockInfo as RWLockInfo
@@ -31,10 +33,12 @@ __all__ = (
     "LockStatistics",
     "LockTimeout",
     "MutexInfo",
+    "NotReplicated",
     "RWLockInfo",
     "ReadLock",
     "RedisMutex",
     "RedisReadWriteLock",
+    "RedisRegistry",
     "RedisSemaphore",
     "SemaphoreInfo",
     "ServerUnavailable",

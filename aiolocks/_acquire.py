@@ -20,6 +20,7 @@ them. Script conventions (see `_scripts/*.lua`):
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import redis.exceptions
 
 from ._context import ClientContext
+from ._leases import cancelling
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
 
@@ -39,6 +41,18 @@ T = TypeVar("T")
 # Clean-up after a failed or cancelled acquisition waits at most this long for Redis;
 # past it, the server forgets the token by itself when its ttl ends.
 CLEANUP_BOUND = 5.0
+# Back-off between re-checks of a queued waiter while Redis cannot be reached.
+_RETRY_MIN, _RETRY_MAX = 0.05, 2.0
+# What a server that restarts or fails over answers for a while: a queued waiter waits on.
+_PASSING_OUTAGE = (
+    redis.exceptions.ConnectionError,  # BusyLoadingError too: a restart loading its data
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,  # a Cluster node back but not yet serving its slots
+    redis.exceptions.TryAgainError,  # a slot in the middle of a move
+    redis.exceptions.ReadOnlyError,  # a demoted primary, before the client finds the new one
+)
+
+log = logging.getLogger("aiolocks")
 
 GRANTED, QUEUED, BUSY, REFUSED = 1, 0, -1, -2
 
@@ -98,13 +112,33 @@ async def acquire(
             await context.notifier.retain(spec.channel, spec.watch_key)
             retained = True
             mode = "wait"
+        outage = _RETRY_MIN
+        answered = False  # the server has answered this acquisition at least once
         while True:
             sent_at = time.monotonic()
             dirty = True
-            reply = await _bounded(
-                context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
-                deadline,
-            )
+            try:
+                reply = await _bounded(
+                    context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
+                    deadline,
+                )
+            except _PASSING_OUTAGE:
+                if not answered or waiter is None or cancelling():
+                    raise  # the first try: the caller learns Redis is unreachable
+                # Queued already: a server that restarts or fails over must not end the
+                # wait. Re-try after a back-off (or sooner, on a reconnect), until the
+                # caller's own deadline.
+                log.debug("aiolocks: re-check of %r failed; retrying", spec.name, exc_info=True)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                wake = await waiter.sleep(_earliest(deadline, time.monotonic() + outage))
+                outage = min(outage * 2, _RETRY_MAX)
+                if wake is Wake.GRANTED:
+                    assert waiter.fence is not None
+                    dirty = False
+                    return Grant(token, waiter.fence, waiter.granted_at)
+                continue
+            outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
             if len(reply) > 2:
                 wake_granted(context, spec, reply, 2)  # others it let in, maybe local
@@ -147,6 +181,26 @@ async def acquire(
             context.notifier.release(spec.channel)
         if dirty:
             await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
+
+
+async def confirm(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, replicas: int, timeout_ms: int
+) -> tuple[int, int]:
+    """Re-run the acquire script for a granted `token` (a write: it re-arms the lease) and
+    `WAIT` on the same connection: (acquire status, replicas that acknowledged).
+
+    Replication is in order, so a replica that has this write also has the grant before
+    it, whichever client made that grant (a hand-off is made by the releaser).
+    """
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    reply, acked = await context.run_then_wait(
+        spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
+    )
+    return int(reply[0]), int(acked)
+
+
+def _earliest(deadline: float | None, other: float) -> float:
+    return other if deadline is None else min(deadline, other)
 
 
 async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:

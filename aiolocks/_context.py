@@ -8,19 +8,27 @@ and a bounded number of in-flight commands.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
+from redis.client import NEVER_DECODE
 
 from . import _cancel
+from ._clients import AnyRedis
+from ._coalesce import Coalescer
 from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
 from ._waitqueue import WaitQueue
 
-__all__ = ["ClientContext", "context_for", "ensure_async_client"]
+__all__ = ["ClientContext", "context_for"]
+
+log = logging.getLogger("aiolocks")
 
 # Commands the engine keeps in flight per client at most. redis-py's pool fails fast
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
@@ -31,17 +39,7 @@ _MAX_IN_FLIGHT = 64
 _ATTRIBUTE = "_aiolocks_contexts"
 
 
-def ensure_async_client(client: object) -> redis.asyncio.Redis:
-    """Return `client` if it is a `redis.asyncio` client; raise `TypeError` otherwise."""
-    if isinstance(client, redis.asyncio.Redis):
-        return client
-    raise TypeError(
-        "client must be a redis.asyncio.Redis (e.g. redis.asyncio.Redis.from_url(...)), "
-        f"not {type(client).__module__}.{type(client).__qualname__}"
-    )
-
-
-def context_for(client: redis.asyncio.Redis) -> ClientContext:
+def context_for(client: AnyRedis) -> ClientContext:
     """The engine state of `client` on the running event loop, created on first use."""
     loop = asyncio.get_running_loop()
     per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
@@ -61,15 +59,28 @@ def context_for(client: redis.asyncio.Redis) -> ClientContext:
 class ClientContext:
     """Everything the engine keeps for one client on one event loop."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: AnyRedis) -> None:
         self.client = client
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
         self._execute: Callable[..., Awaitable[Any]] = client.execute_command
+        if isinstance(client, RedisCluster):
+            self._execute = self._cluster_execute
         self.waitqueue = WaitQueue()
-        self.notifier = Notifier(client, self.waitqueue)
+        self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
-        pool_limit = getattr(client.connection_pool, "max_connections", _MAX_IN_FLIGHT + 2)
+        # On Cluster each node has its own pool; the bound then applies per client.
+        pool = getattr(client, "connection_pool", None)
+        pool_limit = getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
+        # Registries' coalesced register() calls, by the registry's ids key.
+        self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
+        # redis-py's RedisCluster initialises itself on first use, and concurrent first
+        # uses race (a command then fails on a connection the initialisation replaced):
+        # the engine initialises it once, alone, before its first command.
+        self._initialised: asyncio.Future[None] | None = None
+        if not isinstance(client, RedisCluster) or getattr(client, "_initialize", True) is False:
+            self._initialised = asyncio.get_running_loop().create_future()
+            self._initialised.set_result(None)
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
 
@@ -81,13 +92,17 @@ class ClientContext:
         *,
         retry: bool = True,
     ) -> Any:
-        """EVALSHA `script`; load it into the server first if the server does not know it.
+        """EVALSHA `script`; EVAL it (which also caches it) if the server does not know it.
+
+        EVAL rather than SCRIPT LOAD: it goes where the keys are (on Cluster, the node
+        owning their slot; SCRIPT LOAD has no key to route by), in one round trip.
 
         A connection error is retried once (unless `retry` is false), on a fresh
         connection: a connection dropped by the server or the network fails the command
         in flight (and a client made by `from_url` retries nothing by itself), and every
         engine script is idempotent, so running one again after a lost reply is safe.
         """
+        await self._ready()
         before = _cancel.pending()
         async with self._slots:
             try:
@@ -104,35 +119,120 @@ class ClientContext:
         try:
             return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            self.commands_sent += 2
-            await self._execute("SCRIPT", "LOAD", script.source)
-            return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            self.commands_sent += 1
+            return await self._execute("EVAL", script.source, len(keys), *keys, *args)
+
+    async def run_then_wait(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        replicas: int,
+        timeout_ms: int,
+    ) -> tuple[Any, int]:
+        """Run `script`, then `WAIT replicas timeout_ms`, on one connection (WAIT covers the
+        writes of its own connection only): (the script's reply, replicas that acked)."""
+        await self._ready()
+        for by_source in (False, True):
+            async with self._slots:
+                pipe = self.client.pipeline(transaction=False)
+                if by_source:
+                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+                else:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                self.commands_sent += 2
+                reply, acked = await pipe.execute(raise_on_error=False)
+            if not isinstance(reply, redis.exceptions.NoScriptError):
+                break
+        for result in (reply, acked):
+            if isinstance(result, Exception):
+                raise result
+        return reply, int(acked)
+
+    async def call(self, *args: Any) -> Any:
+        """Send one plain command within the in-flight bound; bulk replies stay bytes."""
+        await self._ready()
+        async with self._slots:
+            return await self._execute(*args, **{NEVER_DECODE: True})
+
+    async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
+        await self._ready()
+        async with self._slots:
+            pipe = self.client.pipeline(transaction=False)
+            for args in commands:
+                pipe.execute_command(*args, **{NEVER_DECODE: True})
+            results: list[Any] = await pipe.execute()
+        return results
 
     async def pipeline(
         self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
     ) -> list[Any]:
-        """Run several scripts in one round trip; each result is a value or an exception."""
+        """Run several scripts in one round trip; each result is a value or an exception.
+
+        Calls the server answers NOSCRIPT are sent again, by EVAL, in a second round trip.
+        """
         before = _cancel.pending()
-        for attempt in range(2):
-            async with self._slots:
-                pipe = self.client.pipeline(transaction=False)
-                for script, keys, args in calls:
+        results = await self._send(calls, by_source=False)
+        missing = [
+            index
+            for index, result in enumerate(results)
+            if isinstance(result, redis.exceptions.NoScriptError)
+        ]
+        if missing:
+            retried = await self._send([calls[index] for index in missing], by_source=True)
+            for index, result in zip(missing, retried, strict=True):
+                results[index] = result
+        _cancel.redeliver(before)
+        return results
+
+    async def _send(
+        self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]], *, by_source: bool
+    ) -> list[Any]:
+        await self._ready()
+        async with self._slots:
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                if by_source:
+                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+                else:
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                self.commands_sent += len(calls)
-                results: list[Any] = await pipe.execute(raise_on_error=False)
-            _cancel.redeliver(before)
-            missing = {
-                call[0]
-                for call, result in zip(calls, results, strict=True)
-                if isinstance(result, redis.exceptions.NoScriptError)
-            }
-            if not missing or attempt:
-                return results
-            async with self._slots:
-                for script in missing:
-                    self.commands_sent += 1
-                    await self._execute("SCRIPT", "LOAD", script.source)
-        raise AssertionError("unreachable")
+            self.commands_sent += len(calls)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
+
+    async def _cluster_execute(self, *args: Any, **options: Any) -> Any:
+        """`RedisCluster.execute_command`, sent again when redis-py 8.1 fails it with
+        AttributeError ('NoneType' has no 'writelines'): a topology refresh closed the
+        connection from a background task while it was connecting. Nothing was written
+        then, so sending again is safe whatever the command."""
+        execute: Callable[..., Awaitable[Any]] = self.client.execute_command
+        try:
+            return await execute(*args, **options)
+        except AttributeError as exc:
+            if "writelines" not in str(exc):
+                raise
+            log.debug("aiolocks: redis-py closed a connection under a command; sending again")
+            return await execute(*args, **options)
+
+    async def _ready(self) -> None:
+        initialised = self._initialised
+        if (
+            initialised is not None
+            and initialised.done()
+            and not initialised.cancelled()
+            and initialised.exception() is None
+        ):
+            return
+        if initialised is None or initialised.done():  # first use, or the last try failed
+            initialised = self._initialised = asyncio.ensure_future(self._initialise())
+        await asyncio.shield(initialised)
+
+    async def _initialise(self) -> None:
+        assert isinstance(self.client, RedisCluster)
+        with contextlib.suppress(AttributeError):  # no such step in this redis-py
+            await self.client.initialize()
 
     async def aclose(self) -> None:
         """Stop the background tasks of this client (held leases are no longer renewed)."""

@@ -19,6 +19,7 @@ __all__ = [
     "LockReentry",
     "LockTimeout",
     "LimitMismatch",
+    "NotReplicated",
     "ServerUnavailable",
     "map_redis_errors",
 ]
@@ -56,6 +57,11 @@ class LockReentry(LockError):
 
 class LimitMismatch(LockError, ValueError):
     """The name is stored with another configuration (a semaphore's limit) than given."""
+
+
+class NotReplicated(LockError):
+    """A grant was not acknowledged by the asked number of replicas in time (`replicas=`);
+    the holding was given back."""
 
 
 class ServerUnavailable(LockError):

@@ -21,11 +21,19 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import anyio
-import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 
 from . import _acquire
-from ._context import ClientContext, context_for, ensure_async_client
-from ._errors import LockLost, LockNotOwned, LockReentry, LockTimeout, map_redis_errors
+from ._clients import AnyRedis, ensure_async_client
+from ._context import ClientContext, context_for
+from ._errors import (
+    LockLost,
+    LockNotOwned,
+    LockReentry,
+    LockTimeout,
+    NotReplicated,
+    map_redis_errors,
+)
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._leases import Lease
 
@@ -42,6 +50,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 DEFAULT_TTL = 30.0
+DEFAULT_REPLICA_TIMEOUT = 1.0
 
 LostCallback = Callable[[LockLost], object]
 
@@ -67,6 +76,28 @@ def validate_timeout(timeout: object, what: str = "timeout") -> float | None:
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{what} must be >= 0, got {timeout!r}")
     return None if math.isinf(seconds) else seconds
+
+
+def _validate_replicas(replicas: object, client: AnyRedis) -> int:
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise TypeError(f"replicas must be an int, not {type(replicas).__name__}")
+    if replicas < 0:
+        raise ValueError(f"replicas must be >= 0, got {replicas!r}")
+    if replicas and isinstance(client, RedisCluster):
+        # WAIT must follow the grant on the same connection, to the same node: a Cluster
+        # pipeline sends a keyless WAIT to any node.
+        raise ValueError("replicas= is not supported with a RedisCluster client")
+    return replicas
+
+
+def _validate_replica_timeout(timeout: object) -> int:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"replica_timeout must be a number of seconds, not {type(timeout).__name__}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"replica_timeout must be finite seconds > 0, got {timeout!r}")
+    return max(1, round(timeout * 1000))
 
 
 def _validate_ttl(ttl: object) -> float:
@@ -112,13 +143,15 @@ class LeasedLock:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         ttl: float = DEFAULT_TTL,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         on_lost: LostCallback | None = None,
+        replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
@@ -129,6 +162,8 @@ class LeasedLock:
         if on_lost is not None and not callable(on_lost):
             raise TypeError("on_lost must be callable")
         self._on_lost = on_lost
+        self._replicas = _validate_replicas(replicas, self._client)
+        self._replica_timeout_ms = _validate_replica_timeout(replica_timeout)
         self._holdings: dict[asyncio.Task[Any], Holding] = {}
         self._scopes: dict[asyncio.Task[Any], anyio.CancelScope] = {}
         self._waiting = 0
@@ -154,11 +189,16 @@ class LeasedLock:
     async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Acquire for the current task; False if not blocking and busy, or on timeout.
 
-        Raises `LockReentry` if the current task already holds this instance.
+        `timeout` bounds the whole call, Redis round trips included; `timeout=0` means
+        one try, the same as `blocking=False`. Raises `LockReentry` if the current task
+        already holds this instance.
         """
         timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
+        if timeout == 0:
+            # A zero deadline would end the call before its one try reached Redis.
+            blocking, timeout = False, None
         task = _current_task()
         held = self._holdings.get(task)
         reason = "the current task already holds it (not reentrant)"
@@ -180,8 +220,44 @@ class LeasedLock:
             self._waiting -= 1
         if grant is None:
             return False
+        if self._replicas:
+            await self._confirm_replicated(context, grant)
         self._hold(context, task, grant)
         return True
+
+    async def _confirm_replicated(self, context: ClientContext, grant: _acquire.Grant) -> None:
+        """Have `replicas` replicas acknowledge the grant before it is reported; give it
+        back and raise `NotReplicated` if they do not within `replica_timeout`."""
+        given_back = False
+        try:
+            with map_redis_errors(self._name):
+                status, acked = await _acquire.confirm(
+                    context, self._spec, grant.token, self._ttl_ms,
+                    self._replicas, self._replica_timeout_ms,
+                )  # fmt: skip
+            if status != _acquire.GRANTED:
+                raise LockLost(
+                    self._name, "lost before its replication was confirmed", token=grant.token
+                )
+            if acked < self._replicas:
+                given_back = True
+                await _acquire.shielded(
+                    lambda: _acquire.release(context, self._spec, grant.token, self._ttl_ms),
+                    _acquire.CLEANUP_BOUND,
+                )
+                raise NotReplicated(
+                    self._name,
+                    f"{acked} of {self._replicas} replica(s) acknowledged the grant within "
+                    f"{self._replica_timeout_ms} ms; it was given back",
+                    token=grant.token,
+                )
+        except BaseException:
+            if not given_back:
+                await _acquire.shielded(
+                    lambda: _acquire.release(context, self._spec, grant.token, self._ttl_ms),
+                    _acquire.CLEANUP_BOUND,
+                )
+            raise
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
         holding = Holding(task, grant.token, grant.fence)

@@ -172,8 +172,12 @@ class LeaseKeeper:
             (HEARTBEAT, (group.key,), tuple(w.member for w in waiters))
             for group, waiters in zip(groups, members, strict=True)
         ]
-        # Never wait past the moment a held lease stops being known valid.
+        # Never wait past the moment a held lease stops being known valid, nor longer than a
+        # third of the shortest lease in the batch: redis-py's own retries with back-off can
+        # keep one call busy for seconds after the server is back (a failover, a restart),
+        # and a fresh call a moment later gets through where that one is still sleeping.
         bound = min((lease.valid_until for lease in self._leases), default=now + 5.0) - now
+        bound = min([bound, *(lease.ttl / 3 for lease in leases)])
         sent_at = time.monotonic()
         try:
             results = await asyncio.wait_for(self._context.pipeline(calls), max(bound, _RETRY_MIN))

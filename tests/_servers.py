@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio
 
@@ -39,6 +39,7 @@ __all__ = [
     "available_kinds",
     "binary_path",
     "command_count",
+    "execute",
     "free_port",
     "run_workers",
 ]
@@ -173,6 +174,11 @@ class ServerProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def log_path(self) -> Path | None:
+        """The file the server writes its stdout/stderr to, or None when stopped."""
+        return None if self._dir is None else self._dir / "server.log"
+
     def log(self) -> str:
         """Everything the server wrote to stdout/stderr so far (empty once stopped)."""
         if self._dir is None:
@@ -201,21 +207,23 @@ class ServerProcess:
         assert error is not None
         raise error
 
-    def stop(self) -> None:
-        """Stop the process by pid (SIGTERM, then SIGKILL) and remove its directory."""
+    def stop(self, *, keep_dir: bool = False) -> None:
+        """Stop the process by pid (SIGTERM, then SIGKILL) and remove its directory (unless
+        ``keep_dir``: a restart reuses it)."""
         proc, self._proc = self._proc, None
         if proc is not None:
             _live.pop(proc.pid, None)
             _terminate(proc, STOP_TIMEOUT)
-        if self._dir is not None:
+        if self._dir is not None and not keep_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
-    def restart(self) -> ServerProcess:
-        """Stop, then start again on the same port (with empty data). Returns self."""
-        port = self.port
-        self.stop()
-        self._start_once(port)
+    def restart(self, *, keep_dir: bool = False) -> ServerProcess:
+        """Stop, then start again on the same port (with empty data). ``keep_dir`` restarts in
+        the same directory, keeping e.g. a cluster node's ``nodes.conf``. Returns self."""
+        port, workdir = self.port, self._dir if keep_dir else None
+        self.stop(keep_dir=keep_dir)
+        self._start_once(port, workdir)
         return self
 
     def _command(self, port: int, workdir: Path) -> list[str]:
@@ -233,8 +241,9 @@ class ServerProcess:
             *self.extra_args,
         ]  # fmt: skip
 
-    def _start_once(self, port: int) -> None:
-        workdir = Path(tempfile.mkdtemp(prefix=f"aiolocks-{self.kind}-"))
+    def _start_once(self, port: int, workdir: Path | None = None) -> None:
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix=f"aiolocks-{self.kind}-"))
         log_path = workdir / "server.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
@@ -292,6 +301,12 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 def _stop_all_servers() -> None:
     for server in list(_live.values()):
         server.stop()
+
+
+def execute(client: Any) -> Callable[..., Any]:
+    """``client.execute_command`` of any redis-py client, typed (redis-py leaves it untyped)."""
+    run: Callable[..., Any] = client.execute_command
+    return run
 
 
 async def command_count(client: redis.asyncio.Redis, names: Iterable[str] | None = None) -> int:

@@ -11,23 +11,31 @@ fixture is function-scoped and lives on the test's own loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fakeredis
 import pytest
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cluster import Cluster
 from _faultreport import pytest_terminal_summary as pytest_terminal_summary
 from _probes import QueueProbe
+from _sentinel import SentinelGroup
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
 from _workers import Spawn, spawner
+
+# Our own suite uses aiolocks.testing the way users do (registered here, before any test
+# module imports it, so pytest can rewrite its asserts); pytester runs a user's suite.
+pytest_plugins = ["aiolocks.testing", "pytester"]
 
 KINDS: list[ServerKind] = available_kinds()
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
@@ -142,26 +150,37 @@ async def fake_r() -> AsyncIterator[redis.asyncio.Redis]:
 
 @dataclass
 class Backend:
-    """What ``any_r`` talks to: a real server variant or an in-process FakeServer."""
+    """What ``any_r`` talks to: a real server variant, a 3-node cluster, or fakeredis."""
 
     name: str
     server: ServerProcess | None = None
     fake_server: fakeredis.FakeServer | None = None
-    _clients: list[redis.asyncio.Redis] = field(default_factory=list, repr=False)
+    cluster: Cluster | None = None
+    _clients: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def is_fake(self) -> bool:
-        return self.server is None
+        return self.server is None and self.cluster is None
 
     def client(self) -> redis.asyncio.Redis:
-        """A new client on this backend, closed by the fixture at teardown."""
-        client: redis.asyncio.Redis
-        if self.server is not None:
+        """A new client on this backend, closed by the fixture at teardown. On a cluster
+        it is a ``RedisCluster`` (typed as a plain client: tests use the common methods)."""
+        client: Any
+        if self.cluster is not None:
+            client = self.cluster.client()
+        elif self.server is not None:
             client = redis.asyncio.Redis.from_url(self.server.url)
         else:
             client = fakeredis.FakeAsyncRedis(server=self.fake_server)
         self._clients.append(client)
-        return client
+        return cast(redis.asyncio.Redis, client)
+
+    async def reset(self, client: redis.asyncio.Redis) -> None:
+        """Empty the backend (every node of a cluster) and restore its notify setting."""
+        if self.cluster is not None:
+            await self.cluster.flushall()
+        else:
+            await _reset(client, self.server)
 
     async def aclose(self) -> None:
         clients, self._clients = self._clients, []
@@ -169,14 +188,16 @@ class Backend:
             await client.aclose()
 
 
-@pytest.fixture(params=ANY_VARIANTS, ids=ANY_VARIANTS)
-async def any_backend(
-    request: pytest.FixtureRequest, server_pool: ServerPool
+@contextlib.asynccontextmanager
+async def open_backend(
+    name: str, server_pool: ServerPool, cluster_pool: ClusterPool | None = None
 ) -> AsyncIterator[Backend]:
-    """A real server variant or fakeredis; ``.client()`` makes more clients on it."""
-    name: str = request.param
+    """The backend ``name`` (a server variant, a cluster variant or ``fakeredis``)."""
     if name == FAKE:
         backend = Backend(name, fake_server=fakeredis.FakeServer())
+    elif name.endswith("-cluster"):
+        assert cluster_pool is not None, "cluster variants need the cluster_pool fixture"
+        backend = Backend(name, cluster=cluster_pool.get(name))
     else:
         backend = Backend(name, server=server_pool.get(name))
     try:
@@ -185,11 +206,20 @@ async def any_backend(
         await backend.aclose()
 
 
+@pytest.fixture(params=ANY_VARIANTS, ids=ANY_VARIANTS)
+async def any_backend(
+    request: pytest.FixtureRequest, server_pool: ServerPool
+) -> AsyncIterator[Backend]:
+    """A real server variant or fakeredis; ``.client()`` makes more clients on it."""
+    async with open_backend(request.param, server_pool) as backend:
+        yield backend
+
+
 @pytest.fixture
 async def any_r(any_backend: Backend) -> redis.asyncio.Redis:
     """Client on a real variant (after FLUSHALL) or on a fresh fakeredis server."""
     client = any_backend.client()
-    await _reset(client, any_backend.server)
+    await any_backend.reset(client)
     return client
 
 
@@ -279,3 +309,93 @@ async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, i
     if got:
         await asyncio.sleep(rng.random() * 0.002)
         await lock.release()
+
+
+# -- Redis Cluster and Sentinel (issue 6) ---------------------------------------------------
+# `cluster`: a 3-primary cluster per server kind, started on first use and kept for the session
+# (~2 s). `cluster_r`: a RedisCluster client on it after FLUSHALL on every node.
+# `sentinel_group`: a fresh primary + replica + 3 sentinels per test (~0.3 s).
+
+CLUSTER_VARIANTS: list[str] = [f"{kind}-cluster" for kind in KINDS]
+SENTINEL_VARIANTS: list[str] = [f"{kind}-sentinel" for kind in KINDS]
+
+
+def variant_binary(variant: str) -> tuple[ServerKind, str]:
+    kinds: dict[str, ServerKind] = {"valkey": "valkey", "redis": "redis"}
+    kind = kinds[variant.partition("-")[0]]
+    binary = binary_path(kind)
+    if binary is None:
+        pytest.skip(f"{variant}: no {kind} server binary installed")
+    return kind, binary
+
+
+class ClusterPool:
+    """Starts each kind's cluster on first use; forms a new one if a node has died."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[str, Cluster] = {}
+
+    def get(self, variant: str) -> Cluster:
+        cluster = self._clusters.get(variant)
+        if cluster is None or not cluster.running:
+            if cluster is not None:
+                cluster.stop()
+            kind, binary = variant_binary(variant)
+            cluster = self._clusters[variant] = Cluster(binary, kind=kind).start()
+        return cluster
+
+    def stop_all(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.stop()
+        self._clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool() -> Iterator[ClusterPool]:
+    pool = ClusterPool()
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(params=CLUSTER_VARIANTS, ids=CLUSTER_VARIANTS)
+def cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> Cluster:
+    """A running shared 3-primary cluster (``valkey-cluster``, ``redis-cluster``)."""
+    variant: str = request.param
+    return cluster_pool.get(variant)
+
+
+@pytest.fixture
+async def cluster_r(cluster: Cluster) -> AsyncIterator[RedisCluster]:
+    """An initialized RedisCluster client after FLUSHALL on every node; closed afterwards."""
+    await cluster.flushall()
+    client = cluster.client()
+    try:
+        await client.initialize()
+        yield client
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def open_sentinel_group(variant: str, replicas: int = 1) -> AsyncIterator[SentinelGroup]:
+    """A started primary with `replicas` replicas and three sentinels; its clients are
+    closed and its servers stopped on exit."""
+    kind, binary = variant_binary(variant)
+    group = SentinelGroup(binary, kind=kind, replicas=replicas).start()
+    try:
+        yield group
+    finally:
+        try:
+            await group.aclose_clients()
+        finally:
+            group.stop()
+
+
+@pytest.fixture(params=SENTINEL_VARIANTS, ids=SENTINEL_VARIANTS)
+async def sentinel_group(request: pytest.FixtureRequest) -> AsyncIterator[SentinelGroup]:
+    """A fresh primary, one replica and three sentinels per test (``valkey-sentinel``,
+    ``redis-sentinel``)."""
+    async with open_sentinel_group(request.param) as group:
+        yield group

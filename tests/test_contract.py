@@ -6,12 +6,12 @@ Run over RedisMutex, RedisSemaphore with limit=1 and the write side of RedisRead
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio
-from conftest import Backend
+from conftest import ANY_VARIANTS, CLUSTER_VARIANTS, Backend, ClusterPool, ServerPool, open_backend
 
 from aiolocks import (
     LockError,
@@ -30,6 +30,15 @@ FACTORIES: dict[str, LockFactory] = {
     "semaphore1": lambda client, name, **kw: RedisSemaphore(client, name, limit=1, **kw),
     "rw-write": lambda client, name, **kw: RedisReadWriteLock(client, name, **kw).write(),
 }
+
+
+@pytest.fixture(params=[*ANY_VARIANTS, *CLUSTER_VARIANTS], ids=[*ANY_VARIANTS, *CLUSTER_VARIANTS])
+async def any_backend(
+    request: pytest.FixtureRequest, server_pool: ServerPool, cluster_pool: ClusterPool
+) -> AsyncIterator[Backend]:
+    """Every backend of conftest's ``any_backend``, plus a 3-node cluster of each kind."""
+    async with open_backend(request.param, server_pool, cluster_pool) as backend:
+        yield backend
 
 
 @pytest.fixture(params=list(FACTORIES), ids=list(FACTORIES))
@@ -63,6 +72,19 @@ async def test_blocking_false_and_timeout_fail_while_held(
     await holder.release()
     assert await other.acquire(blocking=False) is True
     await other.release()
+
+
+async def test_timeout_zero_tries_once_and_takes_a_free_lock(
+    any_backend: Backend, make_lock: LockFactory
+) -> None:
+    # Through a fresh client (its first call opens a connection): a zero timeout is one
+    # try, not a deadline that has passed before the try reaches Redis.
+    lock = make_lock(any_backend.client(), "c:zero")
+    assert await lock.acquire(timeout=0) is True
+    assert lock.fencing_token is not None
+    await lock.release()
+    async with make_lock(any_backend.client(), "c:zero", timeout=0) as again:
+        assert again.fencing_token is not None
 
 
 async def test_async_with_timeout_raises_lock_timeout(

@@ -91,10 +91,10 @@ async def test_mutual_exclusion_across_processes(r: redis.asyncio.Redis, url: st
     fences: dict[int, list[int]] = {}
     for index, result in enumerate(results):
         assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
-        lines = [line.split(" ", 2) for line in result.stdout.splitlines()]
+        lines = [line.split(" ", 3) for line in result.stdout.splitlines()]
         reported = [fields for fields in lines if fields[0] == "fences"]
-        assert len(reported) == 1, result.stdout
-        fences[int(reported[0][1])] = json.loads(reported[0][2])
+        assert len(reported) == 1 and reported[0][2] == name, result.stdout
+        fences[int(reported[0][1])] = json.loads(reported[0][3])
 
     assert await r.get(f"test:{{{name}}}:counter") == str(workers * iterations).encode()
     assert sorted(fences) == list(range(workers))

@@ -29,9 +29,11 @@ def _read(filename: str) -> str:
 _PRELUDE = _read("_prelude.lua")
 
 
-def load(name: str, *libraries: str) -> Script:
-    """Build the script `name`.lua: the prelude, then `libraries` (each `_<lib>.lua`, Lua
-    shared by one primitive's scripts), then the script itself."""
-    parts = [_PRELUDE, *(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
+def load(name: str, *libraries: str, prelude: bool = True) -> Script:
+    """Build the script `name`.lua: the prelude (unless `prelude` is false: scripts that
+    touch no wait queue), then `libraries` (each `_<lib>.lua`, Lua shared by one
+    primitive's scripts), then the script itself."""
+    head = [_PRELUDE] if prelude else []
+    parts = [*head, *(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
     source = "\n".join(parts)
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())

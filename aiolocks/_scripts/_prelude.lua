@@ -78,10 +78,15 @@ local function pop_head(queue, waiters)
   return split_member(member)
 end
 
+-- Grants go out on sharded pub/sub (SPUBLISH: on Cluster, to the channel's shard only)
+-- where the server has it, Redis 7.0 (version number 0x070000 = 458752) and every Valkey;
+-- PUBLISH otherwise. pubsub_mode.lua answers the same question for subscribers.
+local SHARDED_PUBSUB = (redis.REDIS_VERSION_NUM or 0) >= 458752
+
 -- Tell the new owner; skipped when it waits in the caller's own client (same tag).
 local function announce(channel, token, fence, ttl, tag, caller_tag)
   if tag ~= caller_tag then
-    redis.call('PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
+    redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
   end
 end
 

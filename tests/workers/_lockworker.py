@@ -17,10 +17,29 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
 
-__all__ = ["EXIT_TIMEOUT", "QueueReportingRedis", "emit", "queued_token", "run"]
+__all__ = [
+    "CLUSTER_SCHEME",
+    "EXIT_TIMEOUT",
+    "QueueReportingRedis",
+    "connect",
+    "emit",
+    "queued_token",
+    "run",
+]
 
 EXIT_TIMEOUT = 3
+# A URL "cluster+redis://host:port" means: a RedisCluster client bootstrapped from there.
+CLUSTER_SCHEME = "cluster+"
+
+
+def connect(url: str) -> Any:
+    """A client for ``url``: a ``RedisCluster`` for a ``cluster+redis://`` URL, else a plain
+    ``redis.asyncio.Redis`` (typed ``Any``: workers use the methods both have)."""
+    if url.startswith(CLUSTER_SCHEME):
+        return RedisCluster.from_url(url.removeprefix(CLUSTER_SCHEME))
+    return redis.asyncio.Redis.from_url(url)
 
 
 def emit(*fields: object) -> None:

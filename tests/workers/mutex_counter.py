@@ -1,11 +1,13 @@
-"""Worker: non-atomic increments of one counter under one `RedisMutex`.
+"""Worker: non-atomic increments of a counter per name, each under its `RedisMutex`.
 
-    python mutex_counter.py URL NAME WORKER WORKERS ITERATIONS TTL TIMEOUT
+    python mutex_counter.py URL NAMES WORKER WORKERS ITERATIONS TTL TIMEOUT
 
-Waits until all WORKERS have connected (a barrier on the server, so they contend from the
-start), then ITERATIONS times: acquire; GET the counter; yield to the loop; SET it to the
-value read plus one; release. Prints ``fences WORKER <json list>``: the fencing token of
-each of its acquisitions, in order.
+NAMES is one name or several, comma-separated; URL may be ``cluster+redis://...`` (see
+``_lockworker.connect``). Waits until all WORKERS have connected (a barrier on the server,
+so they contend from the start), then, for every name at once, ITERATIONS times: acquire;
+GET the name's counter; yield to the loop; SET it to the value read plus one; release.
+Prints ``fences WORKER NAME <json list>`` per name: the fencing token of each of its
+acquisitions, in order.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import Any
 
-import redis.asyncio
-from _lockworker import emit, run
+from _lockworker import connect, emit, run
 
 from aiolocks import RedisMutex
 
 
-async def barrier(client: redis.asyncio.Redis, key: str, parties: int, timeout: float) -> None:
+async def barrier(client: Any, key: str, parties: int, timeout: float) -> None:
     """Return once ``parties`` processes have arrived: the last one opens the gate."""
     if await client.incr(f"{key}:arrived") == parties:
         await client.rpush(f"{key}:gate", *["go"] * parties)
@@ -29,23 +31,28 @@ async def barrier(client: redis.asyncio.Redis, key: str, parties: int, timeout: 
 
 
 async def main(argv: list[str]) -> int:
-    url, name, worker = argv[0], argv[1], int(argv[2])
+    url, names, worker = argv[0], argv[1].split(","), int(argv[2])
     workers, iterations, ttl, timeout = int(argv[3]), int(argv[4]), float(argv[5]), float(argv[6])
-    counter = f"test:{{{name}}}:counter"
-    client = redis.asyncio.Redis.from_url(url)
+    client = connect(url)
     try:
-        await barrier(client, f"test:{{{name}}}:barrier", workers, timeout)
-        mutex = RedisMutex(client, name, ttl=ttl, timeout=timeout)
-        fences: list[int] = []
-        for _ in range(iterations):
-            async with mutex:
-                fence = mutex.fencing_token
-                assert fence is not None
-                value = int(await client.get(counter) or 0)
-                await asyncio.sleep(0)  # another holder would interleave here
-                await client.set(counter, value + 1)
-            fences.append(fence)
-        emit("fences", worker, json.dumps(fences))
+        await barrier(client, f"test:{{{names[0]}}}:barrier", workers, timeout)
+
+        async def count(name: str) -> list[int]:
+            counter = f"test:{{{name}}}:counter"
+            mutex = RedisMutex(client, name, ttl=ttl, timeout=timeout)
+            fences: list[int] = []
+            for _ in range(iterations):
+                async with mutex:
+                    fence = mutex.fencing_token
+                    assert fence is not None
+                    value = int(await client.get(counter) or 0)
+                    await asyncio.sleep(0)  # another holder would interleave here
+                    await client.set(counter, value + 1)
+                fences.append(fence)
+            return fences
+
+        for name, fences in zip(names, await asyncio.gather(*map(count, names)), strict=True):
+            emit("fences", worker, name, json.dumps(fences))
         return 0
     finally:
         await client.aclose()

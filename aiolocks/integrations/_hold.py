@@ -1,0 +1,197 @@
+"""What the web integrations share: the lock policy, the name template, and one `hold()`.
+
+A request holds its lock like the body of `async with`: a lost lease cancels the work
+and is reported. Whatever the request cannot have (busy, lost, Redis down, a bad name)
+becomes a `Refusal` carrying an HTTP status and a JSON body; each framework turns it into
+its own kind of response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import string
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypedDict
+
+import anyio
+
+from .._clients import AnyRedis, ensure_async_client
+from .._errors import LockLost, ServerUnavailable
+from .._holding import DEFAULT_TTL, _validate_ttl, validate_timeout
+from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from ..mutex import RedisMutex
+from ..semaphore import RedisSemaphore, _validate_limit
+
+__all__ = ["HeldLock", "LockOptions", "LockPolicy", "NameTemplate", "Refusal"]
+
+log = logging.getLogger("aiolocks")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLock:
+    """The lock a request holds: give `fencing_token` to the storage you write to."""
+
+    name: str
+    fencing_token: int
+    lost: asyncio.Event  # set if the lease is lost while the request runs
+    lock: RedisMutex | RedisSemaphore
+
+
+class Refusal(Exception):
+    """The request cannot go on: answer `status` with the JSON `body`."""
+
+    def __init__(self, status: int, error: str, name: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body: dict[str, str] = {"error": error, "lock": name, "message": message}
+
+
+class NameTemplate:
+    """A lock name such as `"orders:{order_id}"`, each field filled from request values."""
+
+    __slots__ = ("fields", "template")
+
+    def __init__(self, template: str) -> None:
+        what = "lock name template"
+        if not isinstance(template, str):
+            raise TypeError(f"{what} must be a str, not {type(template).__name__}")
+        try:
+            parts = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise ValueError(f"{what} {template!r}: {exc}") from None
+        fields = [field for _, field, _, _ in parts if field is not None]
+        for _, field, spec, conversion in parts:
+            if field is not None and (not field.isidentifier() or spec or conversion):
+                raise ValueError(
+                    f"{what} {template!r}: fields must be plain names such as {{order_id}}"
+                )
+        self.template = template
+        self.fields = tuple(fields)
+        validate_name(template.format_map(dict.fromkeys(fields, "x")), what)
+
+    def fill(self, *sources: Mapping[str, object]) -> str:
+        """The name, each field taken from the first of `sources` that has it."""
+        values: dict[str, str] = {}
+        for field in self.fields:
+            for source in sources:
+                if field in source:
+                    values[field] = str(source[field])
+                    break
+            else:
+                message = (
+                    f"the lock name {self.template!r} needs {field!r}, "
+                    "found neither in the path nor in the query string"
+                )
+                raise Refusal(422, "lock_name_incomplete", self.template, message)
+        return self.template.format_map(values)
+
+
+def _status(value: object, what: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int HTTP status, not {type(value).__name__}")
+    if not low <= value <= 599:
+        raise ValueError(f"{what} must be an HTTP status in {low}..599, got {value}")
+    return value
+
+
+class LockOptions(TypedDict, total=False):
+    """The keyword options every integration takes (the fields of `LockPolicy`)."""
+
+    ttl: float
+    timeout: float | None
+    limit: int | None
+    prefix: str
+    busy_status: int
+    lost_status: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockPolicy:
+    """How a request takes its lock; validated when the dependency/decorator is made."""
+
+    ttl: float = DEFAULT_TTL
+    timeout: float | None = 0.0  # 0: answer `busy_status` at once; None: wait for it
+    limit: int | None = None  # None: a RedisMutex; N: a RedisSemaphore of N holders
+    prefix: str = DEFAULT_PREFIX
+    busy_status: int = 409
+    lost_status: int = 500
+
+    def __post_init__(self) -> None:
+        # Fail when the app is built, not on its first request.
+        _validate_ttl(self.ttl)
+        validate_timeout(self.timeout)
+        if self.limit is not None:
+            _validate_limit(self.limit)
+        validate_prefix(self.prefix)
+        _status(self.busy_status, "busy_status", 400)
+        _status(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx
+
+    def make(
+        self, client: AnyRedis, name: str, scope: anyio.CancelScope
+    ) -> RedisMutex | RedisSemaphore:
+        def on_lost(_lost: LockLost) -> None:
+            scope.cancel()  # like the body of `async with`: the work stops at the loss
+
+        if self.limit is None:
+            return RedisMutex(client, name, ttl=self.ttl, prefix=self.prefix, on_lost=on_lost)
+        return RedisSemaphore(
+            client, name, limit=self.limit, ttl=self.ttl, prefix=self.prefix, on_lost=on_lost
+        )
+
+    @asynccontextmanager
+    async def hold(self, client: object, name: str) -> AsyncIterator[HeldLock]:
+        """Hold the lock `name` around the body; raise `Refusal` if it cannot be had, or
+        if its lease was lost (the body is cancelled at the loss, like `async with`)."""
+        client = ensure_async_client(client)
+        try:
+            validate_name(name, "lock name")
+        except ValueError as exc:
+            raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
+        scope = anyio.CancelScope()
+        lock = self.make(client, name, scope)
+        try:
+            if self.timeout == 0:  # one try, no subscription
+                acquired = await lock.acquire(blocking=False)
+            else:
+                acquired = await lock.acquire(timeout=self.timeout)
+        except ServerUnavailable as exc:
+            raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
+        if not acquired:
+            waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
+            message = f"{name!r} is held by another request; not acquired{waited}"
+            raise Refusal(self.busy_status, "lock_busy", name, message)
+        token = lock.fencing_token
+        assert token is not None
+        held = HeldLock(name, token, lock.lost, lock)
+        try:
+            with scope:
+                yield held
+        except BaseException as exc:
+            await self._release(lock, exc)
+            raise
+        await self._release(lock, None)
+
+    async def _release(
+        self, lock: RedisMutex | RedisSemaphore, raised: BaseException | None
+    ) -> None:
+        """Release `lock`; a lost lease becomes a `Refusal` (unless the request is being
+        cancelled: nobody is left to answer, and the cancellation must go on)."""
+        try:
+            await lock.release()
+        except LockLost as lost:
+            if isinstance(raised, asyncio.CancelledError):
+                log.warning("aiolocks: %s (the request was cancelled)", lost)
+                return
+            message = (
+                f"the lease on {lock.name!r} was lost while the request ran ({lost.reason}); "
+                "its work may have overlapped another holder's"
+            )
+            refusal = Refusal(self.lost_status, "lock_lost", lock.name, message)
+            raise refusal from (raised or lost)
+        except ServerUnavailable as exc:
+            if isinstance(raised, asyncio.CancelledError):
+                return
+            raise Refusal(503, "lock_unavailable", lock.name, exc.reason) from exc

@@ -1,0 +1,111 @@
+"""FastAPI: a dependency that holds a lock for the duration of a request.
+
+    order_lock = request_lock("orders:{order_id}")          # one lock per order id
+
+    @app.post("/orders/{order_id}/charge")
+    async def charge(order_id: int, lock: Annotated[HeldLock, Depends(order_lock)]):
+        ...  # only one request per order id gets here at a time; lock.fencing_token
+
+The lock is taken before the endpoint runs and released when FastAPI closes the
+dependency: with the default `Depends(...)` (scope "request") after the response has been
+sent, so a streaming body is covered too; with `Depends(..., scope="function")` as soon as
+the endpoint returns, before the response is sent. A lost lease cancels the endpoint and
+answers `lost_status` (500) with a JSON body, like `LockLost` from `async with`; if the
+response had already been sent, the error reaches the server's log instead.
+
+This module imports FastAPI: install the `fastapi` extra. (No `from __future__ import
+annotations` here: FastAPI reads the dependency signatures at run time.)
+"""
+
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+import redis.asyncio
+from fastapi import Depends, HTTPException, Request
+
+from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
+
+__all__ = ["HeldLock", "request_lock"]
+
+NameDependency = Callable[..., str] | Callable[..., Awaitable[str]]
+
+
+def request_lock(
+    name: str | NameDependency,
+    *,
+    client: redis.asyncio.Redis | None = None,
+    state_key: str = "redis",
+    **options: Unpack[LockOptions],
+) -> Callable[..., AsyncIterator[HeldLock]]:
+    """A FastAPI dependency (use it with `Depends`) that holds a lock for each request.
+
+    - `name`: a template such as `"orders:{order_id}"` whose fields come from the path
+      parameters, then the query string (as sent, before validation); or any FastAPI
+      dependency returning the name, which may take validated path, query or body
+      parameters, or `request: Request`.
+    - `ttl`: the lease in seconds (30), renewed in the background while the request runs.
+    - `timeout`: 0 (the default) answers `busy_status` at once when the lock is held;
+      a number of seconds waits that long first; None waits as long as it takes.
+    - `busy_status`: 409 (Conflict, the default) or e.g. 423 (Locked), with the JSON body
+      `{"detail": {"error": "lock_busy", "lock": NAME, "message": ...}}`.
+    - `lost_status`: the 5xx answered, with `"error": "lock_lost"`, when the lease is lost
+      during the request (the work may have overlapped another holder's). Redis
+      unreachable: 503 with `"error": "lock_unavailable"`.
+    - `limit`: None for a `RedisMutex`; N for a `RedisSemaphore` letting N requests in.
+    - `prefix`: the key prefix, as for the primitives.
+    - The Redis client: `client` if given, else the `state_key` entry of the lifespan
+      state (`yield {"redis": client}` from the lifespan), else `app.state.<state_key>`.
+
+    The dependency yields a `HeldLock` (name, fencing token, `lost` event, the lock).
+    Arguments are checked here, when the app is built.
+    """
+    policy = LockPolicy(**options)
+    if client is not None and not isinstance(client, redis.asyncio.Redis):
+        raise TypeError(f"client must be a redis.asyncio.Redis, not {type(client).__name__}")
+    if not isinstance(state_key, str) or not state_key.isidentifier():
+        raise ValueError(f"state_key must be an identifier, got {state_key!r}")
+    if isinstance(name, str):
+        name_dependency: NameDependency = _from_template(NameTemplate(name))
+    elif callable(name):
+        name_dependency = name
+    else:
+        raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
+
+    async def hold_lock(
+        request: Request, lock_name: Annotated[str, Depends(name_dependency)]
+    ) -> AsyncIterator[HeldLock]:
+        redis_client = client if client is not None else _client_of(request, state_key)
+        try:
+            async with policy.hold(redis_client, lock_name) as held:
+                yield held
+        except Refusal as refusal:
+            raise HTTPException(refusal.status, detail=refusal.body) from refusal
+
+    return hold_lock
+
+
+def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]]:
+    async def lock_name(request: Request) -> str:
+        try:
+            return template.fill(request.path_params, request.query_params)
+        except Refusal as refusal:
+            raise HTTPException(refusal.status, detail=refusal.body) from None
+
+    return lock_name
+
+
+def _client_of(request: Request, key: str) -> Any:
+    for state in (request.state, request.app.state):  # the lifespan state, then app.state
+        found = getattr(state, key, None)
+        if found is not None:
+            return found
+    raise RuntimeError(
+        f"aiolocks found no Redis client for the request lock: yield {{{key!r}: client}} "
+        f"from the app's lifespan, set app.state.{key}, or pass client= to request_lock()"
+    )

@@ -1,0 +1,214 @@
+"""`RedisRegistry`: atomic, idempotent name -> dense integer id registration on Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, final
+
+from ._clients import AnyRedis, ensure_async_client
+from ._coalesce import Coalescer
+from ._context import context_for
+from ._errors import map_redis_errors
+from ._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
+from ._scripts import load
+
+__all__ = ["MAX_NAME_BYTES", "RedisRegistry"]
+
+_REGISTER = load("registry_register", prelude=False)
+
+MAX_NAME_BYTES = 1024
+"""Default longest name, in bytes once encoded (UTF-8 for a `str`)."""
+
+# Most names one coalesced script call carries; more wait for the next call.
+_COALESCE_BATCH = 1000
+# Ids one `HMGET` of the iterator asks for at most.
+_SCAN_BATCH = 1000
+# How names and stored bytes map to each other: a `str` is UTF-8, and bytes that are not
+# UTF-8 come back as lone surrogates (as `os.fsdecode` does), so every name round-trips.
+_ENCODING = "utf-8"
+_ERRORS = "surrogateescape"
+
+
+@final
+class RedisRegistry:
+    """Names -> ids 1, 2, 3, ...: the same name always gets the same id, for ever.
+
+    - Atomic: the whole get-or-create runs in one script, so concurrent registrations of
+      one name, from any number of processes, return one id and never burn a number.
+    - Dense: ids are 1..count() with no gaps, in order of first registration.
+    - Batched: `register_many()` is one round trip; concurrent `register()` calls on one
+      client are joined into shared script calls.
+    - Names are `str` (stored as UTF-8) or `bytes`, 1 to `max_name_bytes` bytes long; a
+      `str` and its UTF-8 bytes are the same name.
+    """
+
+    __slots__ = ("_client", "_counter", "_ids", "_max_name_bytes", "_name", "_names")
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        name: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_name_bytes: int = MAX_NAME_BYTES,
+    ) -> None:
+        self._client = ensure_async_client(client)
+        self._name = validate_name(name)
+        keys = KeySpace(validate_prefix(prefix), "registry", self._name)
+        self._ids = keys.key("ids")  # HASH name -> id
+        self._names = keys.key("names")  # HASH id -> name
+        self._counter = keys.key("counter")  # STRING highest id handed out
+        if isinstance(max_name_bytes, bool) or not isinstance(max_name_bytes, int):
+            raise TypeError(f"max_name_bytes must be an int, not {type(max_name_bytes).__name__}")
+        if max_name_bytes < 1:
+            raise ValueError(f"max_name_bytes must be >= 1, got {max_name_bytes!r}")
+        self._max_name_bytes = max_name_bytes
+
+    @property
+    def name(self) -> str:
+        """The registry's name (not an entry's)."""
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"<RedisRegistry {self._name!r}>"
+
+    async def register(self, name: str | bytes) -> int:
+        """The id of `name`, registering it first if it is new."""
+        encoded = self._encode(name)
+        context = context_for(self._client)
+        coalescer = context.coalescers.get(self._ids)
+        if coalescer is None:
+            coalescer = context.coalescers[self._ids] = Coalescer(self._register, _COALESCE_BATCH)
+        return await coalescer.submit(encoded)
+
+    async def register_many(self, names: Iterable[str | bytes]) -> list[int]:
+        """The ids of `names`, in order, registering the new ones: one round trip.
+
+        A name given twice gets one id; new names are numbered in the order they first
+        appear. The batch is atomic: no other registration interleaves with it.
+        """
+        encoded = self._encode_all(names, "names")
+        return await self._register(encoded) if encoded else []
+
+    async def id_of(self, name: str | bytes) -> int | None:
+        """The id of `name`, or None if it was never registered (registers nothing)."""
+        encoded = self._encode(name)
+        found = await self._call("HGET", self._ids, encoded)
+        return None if found is None else int(found)
+
+    async def ids_of(self, names: Iterable[str | bytes]) -> list[int | None]:
+        """The ids of `names` in order (None for unregistered ones): one round trip."""
+        encoded = self._encode_all(names, "names")
+        if not encoded:
+            return []
+        found = await self._call("HMGET", self._ids, *encoded)
+        return [None if value is None else int(value) for value in found]
+
+    async def name_of(self, id: int) -> str | None:
+        """The name registered with `id`, or None if no name has that id yet.
+
+        Names registered as bytes that are not UTF-8 come back with lone surrogates for
+        the undecodable bytes (as `os.fsdecode` does); `name_bytes_of()` gives the bytes.
+        """
+        found = await self.name_bytes_of(id)
+        return None if found is None else found.decode(_ENCODING, _ERRORS)
+
+    async def name_bytes_of(self, id: int) -> bytes | None:
+        """The name registered with `id` exactly as stored, or None."""
+        _validate_id(id)
+        found: bytes | None = await self._call("HGET", self._names, id)
+        return found
+
+    async def names_of(self, ids: Iterable[int]) -> list[str | None]:
+        """The names of `ids` in order (None for ids not handed out yet): one round trip."""
+        wanted = list(_iterate(ids, "ids"))
+        for id in wanted:
+            _validate_id(id)
+        if not wanted:
+            return []
+        found = await self._call("HMGET", self._names, *wanted)
+        return [None if value is None else value.decode(_ENCODING, _ERRORS) for value in found]
+
+    async def count(self) -> int:
+        """How many names are registered (the highest id, as ids are dense)."""
+        return int(await self._call("HLEN", self._ids))
+
+    async def items(self, *, batch: int = _SCAN_BATCH) -> AsyncIterator[tuple[str, int]]:
+        """Every (name, id) pair in id order, `batch` ids per round trip.
+
+        Each step is one small `HMGET` by id (ids are dense), so a registry of millions
+        never blocks the server the way `HGETALL` would; unlike `HSCAN`, no pair is seen
+        twice. Names registered while iterating are included.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        first = 1
+        while True:
+            last = first + batch - 1
+            with map_redis_errors(self._name):
+                counter, found = await context_for(self._client).call_many(
+                    [("GET", self._counter), ("HMGET", self._names, *range(first, last + 1))]
+                )
+            for id, value in enumerate(found, start=first):
+                if value is not None:
+                    yield value.decode(_ENCODING, _ERRORS), id
+            if last >= int(counter or 0):
+                return
+            first = last + 1
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, int]]:
+        return self.items()
+
+    async def _call(self, *args: Any) -> Any:
+        with map_redis_errors(self._name):
+            return await context_for(self._client).call(*args)
+
+    async def _register(self, names: list[bytes]) -> list[int]:
+        keys = (self._ids, self._names, self._counter)
+        with map_redis_errors(self._name):
+            ids: list[Any] = await context_for(self._client).run(_REGISTER, keys, tuple(names))
+        return [int(id) for id in ids]
+
+    def _encode(self, name: object, what: str = "name") -> bytes:
+        if isinstance(name, str):
+            try:
+                encoded = name.encode(_ENCODING, _ERRORS)
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"registry {self._name!r}: {what} {name!r} cannot be encoded as UTF-8 ({exc})"
+                ) from None
+        elif isinstance(name, bytes):
+            encoded = name
+        else:
+            raise TypeError(
+                f"registry {self._name!r}: {what} must be str or bytes, not {type(name).__name__}"
+            )
+        if not encoded:
+            raise ValueError(f"registry {self._name!r}: {what} must not be empty")
+        if len(encoded) > self._max_name_bytes:
+            raise ValueError(
+                f"registry {self._name!r}: {what} is {len(encoded)} bytes long, more than "
+                f"max_name_bytes={self._max_name_bytes}"
+            )
+        return encoded
+
+    def _encode_all(self, names: Iterable[str | bytes], what: str) -> list[bytes]:
+        return [
+            self._encode(name, f"{what}[{index}]")
+            for index, name in enumerate(_iterate(names, what))
+        ]
+
+
+def _iterate(values: object, what: str) -> Iterable[Any]:
+    # A lone str/bytes is iterable too, and its characters are never what is meant.
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{what} must be an iterable (a list, say), not {type(values).__name__}")
+    return values
+
+
+def _validate_id(id: object) -> int:
+    if isinstance(id, bool) or not isinstance(id, int):
+        raise TypeError(f"an id must be an int, not {type(id).__name__}")
+    if id < 1:
+        raise ValueError(f"ids start at 1, got {id!r}")
+    return id

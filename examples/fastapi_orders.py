@@ -1,0 +1,70 @@
+"""An order service on FastAPI where no order is charged twice at once.
+
+    pip install -e '.[fastapi,server]' uvicorn
+    uvicorn --app-dir examples fastapi_orders:app
+    curl -X POST localhost:8000/orders/42/charge   # twice at once: one 200, one 409
+
+Each request to an order's endpoints holds the `RedisMutex` "orders:<id>", through
+`aiolocks.integrations.fastapi.request_lock`:
+
+- `POST /orders/{order_id}/charge` answers 409 at once while another request holds the
+  order (a double-click must not charge twice), and records the charge with the
+  request's fencing token;
+- `POST /orders/{order_id}/ship` waits up to `SHIP_WAIT` seconds for the order, then 423.
+
+The Redis client lives in the lifespan state: `REDIS_URL`, or an embedded Valkey started
+with the app and stopped after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import redis.asyncio as redis
+from _orders import PaymentGateway, charge_order, redis_client
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from aiolocks.integrations.fastapi import HeldLock, request_lock
+
+CHARGE_TTL = 10.0  # seconds; renewed in the background while the request runs
+SHIP_WAIT = 2.0  # seconds a shipping request waits for the order before answering 423
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+    async with redis_client() as client:
+        yield {"redis": client}  # request_lock() finds the client here
+
+
+def gateway() -> PaymentGateway:
+    return PaymentGateway()
+
+
+def client_of(request: Request) -> redis.Redis:
+    client: redis.Redis = request.state.redis  # the lifespan state
+    return client
+
+
+app = FastAPI(title="orders", lifespan=lifespan)
+charge_lock = request_lock("orders:{order_id}", ttl=CHARGE_TTL)  # busy: 409 at once
+ship_lock = request_lock("orders:{order_id}", timeout=SHIP_WAIT, busy_status=423)
+
+
+@app.post("/orders/{order_id}/charge")
+async def charge(
+    order_id: int,
+    lock: Annotated[HeldLock, Depends(charge_lock)],
+    payments: Annotated[PaymentGateway, Depends(gateway)],
+    client: Annotated[redis.Redis, Depends(client_of)],
+) -> dict[str, int]:
+    outcome, amount = await charge_order(client, payments, order_id, lock.fencing_token)
+    if outcome != "charged":
+        raise HTTPException(409, detail={"error": outcome, "order": order_id})
+    return {"order": order_id, "amount": amount, "fence": lock.fencing_token}
+
+
+@app.post("/orders/{order_id}/ship")
+async def ship(order_id: int, lock: Annotated[HeldLock, Depends(ship_lock)]) -> dict[str, int]:
+    return {"order": order_id, "fence": lock.fencing_token}

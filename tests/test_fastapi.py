@@ -1,0 +1,362 @@
+"""aiolocks.integrations.fastapi: one lock per order id, driven through httpx's ASGI
+transport with concurrent requests against a real server.
+
+No `from __future__ import annotations` here: the endpoints are defined inside the tests
+and FastAPI resolves their annotations at run time.
+"""
+
+import asyncio
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import httpx
+import pytest
+import redis.asyncio
+from _probes import QueueProbe
+from _web import ONE_SERVER, Gate, is_free, load_example
+from asgi_lifespan import LifespanManager
+from conftest import Tasks
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from aiolocks import RedisMutex, RedisSemaphore
+from aiolocks.integrations.fastapi import HeldLock, request_lock
+from aiolocks.testing import expire_leases
+
+
+@asynccontextmanager
+async def http(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client calling `app` in-process, with its lifespan run around it."""
+    async with LifespanManager(app) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://orders.test") as c:
+            yield c
+
+
+def orders_app(gate: Gate, lock: Callable[..., Any], **app_options: Any) -> FastAPI:
+    """POST /orders/{order_id}: holds `lock` and waits at the gate for its order id."""
+    app = FastAPI(**app_options)
+
+    @app.post("/orders/{order_id}")
+    async def work(order_id: int, held: Annotated[HeldLock, Depends(lock)]) -> dict[str, Any]:
+        await gate.pass_through(order_id)
+        return {"order": order_id, "lock": held.name, "fence": held.fencing_token}
+
+    return app
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("busy_status", [409, 423])
+async def test_same_order_is_refused_while_other_orders_go_through(
+    r: redis.asyncio.Redis, tasks: Tasks, busy_status: int
+) -> None:
+    gate = Gate()
+    app = orders_app(gate, request_lock("orders:{order_id}", client=r, busy_status=busy_status))
+    async with http(app) as client:
+        first = tasks.start(client.post("/orders/1"))
+        await gate.wait_entered(1)
+
+        second = await client.post("/orders/1")
+        assert second.status_code == busy_status
+        detail = second.json()["detail"]
+        assert detail["error"] == "lock_busy" and detail["lock"] == "orders:1"
+        assert "orders:1" in detail["message"]
+
+        other = tasks.start(client.post("/orders/2"))  # a different order: not held up
+        await gate.wait_entered(2)
+        gate.opened[2].set()
+        assert (await other).status_code == 200
+        assert not first.done()
+
+        gate.opened[1].set()
+        done = await first
+        assert done.status_code == 200 and done.json()["lock"] == "orders:1"
+    assert await is_free(r, "orders:1") and await is_free(r, "orders:2")
+
+
+@ONE_SERVER
+async def test_a_waiting_request_goes_next_in_order(r: redis.asyncio.Redis, tasks: Tasks) -> None:
+    gate = Gate()
+    app = orders_app(gate, request_lock("orders:{order_id}", client=r, timeout=None))
+    probe = QueueProbe(r)
+    async with http(app) as client:
+        first = tasks.start(client.post("/orders/7"))
+        await gate.wait_entered(7)
+        second = await tasks.queued(probe, client.post("/orders/7"))
+        assert not second.done()  # queued behind the first
+        gate.opened[7].set()
+        responses = [await first, await second]
+    assert [response.status_code for response in responses] == [200, 200]
+    fences = [response.json()["fence"] for response in responses]
+    assert fences[0] < fences[1]
+    assert await is_free(r, "orders:7")
+
+
+@ONE_SERVER
+async def test_a_request_that_waits_too_long_gets_the_busy_answer(
+    r: redis.asyncio.Redis, tasks: Tasks
+) -> None:
+    gate = Gate()
+    lock = request_lock("orders:{order_id}", client=r, timeout=0.2, busy_status=423)
+    async with http(orders_app(gate, lock)) as client:
+        first = tasks.start(client.post("/orders/3"))
+        await gate.wait_entered(3)
+        late = await client.post("/orders/3")
+        assert late.status_code == 423
+        assert late.json()["detail"]["error"] == "lock_busy"
+        assert "0.2 s" in late.json()["detail"]["message"]
+        gate.opened[3].set()
+        assert (await first).status_code == 200
+    assert await is_free(r, "orders:3")
+
+
+@ONE_SERVER
+async def test_a_lost_lease_cancels_the_handler_and_answers_500(
+    r: redis.asyncio.Redis, tasks: Tasks
+) -> None:
+    gate = Gate()
+    app = orders_app(gate, request_lock("orders:{order_id}", client=r, ttl=0.3))
+    async with http(app) as client:
+        request = tasks.start(client.post("/orders/5"))
+        await gate.wait_entered(5)
+        assert await expire_leases(RedisMutex(r, "orders:5")) == 1
+        response = await asyncio.wait_for(request, 10)  # renewal notices within ttl/3
+    assert response.status_code == 500
+    detail = response.json()["detail"]
+    assert detail["error"] == "lock_lost" and detail["lock"] == "orders:5"
+    assert "overlapped" in detail["message"]
+    assert gate.cancelled == [5]  # the handler was stopped, not left running
+    assert await is_free(r, "orders:5")
+
+
+@ONE_SERVER
+async def test_cancelled_requests_leave_nothing_behind(
+    r: redis.asyncio.Redis, tasks: Tasks
+) -> None:
+    """A client that goes away (its request task cancelled), holding or waiting."""
+    gate = Gate()
+    app = orders_app(gate, request_lock("orders:{order_id}", client=r, timeout=None))
+    probe = QueueProbe(r)
+    async with http(app) as client:
+        holder = tasks.start(client.post("/orders/9"))
+        await gate.wait_entered(9)
+        waiter = await tasks.queued(probe, client.post("/orders/9"))
+        waiter.cancel()
+        holder.cancel()
+        for task in (waiter, holder):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert gate.cancelled == [9]
+    assert await is_free(r, "orders:9")
+
+
+@ONE_SERVER
+async def test_the_client_comes_from_the_lifespan_state_or_app_state(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        client = redis.asyncio.Redis.from_url(url)
+        yield {"redis": client}
+        await client.aclose()
+
+    gate = Gate()
+    gate.opened[1].set()
+    async with http(orders_app(gate, request_lock("a:{order_id}"), lifespan=lifespan)) as c:
+        assert (await c.post("/orders/1")).json()["lock"] == "a:1"
+
+    app = orders_app(gate, request_lock("b:{order_id}", state_key="locks"))
+    app.state.locks = r
+    async with http(app) as c:
+        assert (await c.post("/orders/1")).json()["lock"] == "b:1"
+    assert (await RedisMutex(r, "b:1").inspect()).fence == 1  # it was this server
+
+    async with http(orders_app(gate, request_lock("c:{order_id}"))) as c:
+        with pytest.raises(RuntimeError, match=r"no Redis client.*lifespan.*app\.state\.redis"):
+            await c.post("/orders/1")
+
+
+@ONE_SERVER
+async def test_names_from_the_query_string_a_body_or_a_callable(r: redis.asyncio.Redis) -> None:
+    class Order(BaseModel):
+        customer: str
+        amount: int
+
+    def by_customer(order: Order) -> str:
+        return f"customers:{order.customer}"
+
+    async def by_header(request: Request) -> str:
+        return f"tenants:{request.headers['x-tenant']}"
+
+    app = FastAPI()
+    query_lock = request_lock("reports:{kind}", client=r)
+    body_lock = request_lock(by_customer, client=r)
+    header_lock = request_lock(by_header, client=r)
+
+    @app.get("/reports")
+    async def report(kind: str, held: Annotated[HeldLock, Depends(query_lock)]) -> str:
+        return held.name
+
+    @app.post("/orders")
+    async def order(order: Order, held: Annotated[HeldLock, Depends(body_lock)]) -> str:
+        return f"{held.name} {order.amount}"
+
+    @app.get("/tenant")
+    async def tenant(held: Annotated[HeldLock, Depends(header_lock)]) -> str:
+        return held.name
+
+    async with http(app) as client:
+        assert (await client.get("/reports?kind=daily")).json() == "reports:daily"
+        missing = await client.get("/reports")
+        assert missing.status_code == 422
+        placed = await client.post("/orders", json={"customer": "ada", "amount": 3})
+        assert placed.json() == "customers:ada 3"
+        tenant_response = await client.get("/tenant", headers={"x-tenant": "acme"})
+        assert tenant_response.json() == "tenants:acme"
+        braces = await client.get("/reports", params={"kind": "{x}"})
+        assert braces.status_code == 422
+        assert braces.json()["detail"]["error"] == "lock_name_invalid"
+
+
+@ONE_SERVER
+async def test_a_semaphore_lets_limit_requests_in(r: redis.asyncio.Redis, tasks: Tasks) -> None:
+    gate = Gate()
+    app = orders_app(gate, request_lock("exports", client=r, limit=2))
+    async with http(app) as client:
+        running = [tasks.start(client.post(f"/orders/{i}")) for i in (1, 2)]
+        for i in (1, 2):
+            await gate.wait_entered(i)
+        third = await client.post("/orders/3")
+        assert third.status_code == 409 and third.json()["detail"]["lock"] == "exports"
+        for i in (1, 2):
+            gate.opened[i].set()
+        assert [(await task).status_code for task in running] == [200, 200]
+    assert (await RedisSemaphore(r, "exports", limit=2).inspect()).holders == 0
+
+
+@ONE_SERVER
+@pytest.mark.parametrize(
+    ("scope", "held_while_streaming"), [("request", True), ("function", False)]
+)
+async def test_which_dependency_scope_covers_the_response(
+    r: redis.asyncio.Redis, scope: Any, held_while_streaming: bool
+) -> None:
+    """Default scope "request": the lock is released after the response has been sent
+    (a streamed body is covered); scope "function": as soon as the endpoint returns."""
+    app = FastAPI()
+    lock = request_lock("stream", client=r)
+
+    @app.get("/stream")
+    async def stream(held: Annotated[HeldLock, Depends(lock, scope=scope)]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            yield f"{await RedisMutex(r, 'stream').locked()}"
+
+        return StreamingResponse(body())
+
+    async with http(app) as client:
+        assert (await client.get("/stream")).text == str(held_while_streaming)
+    assert await is_free(r, "stream")
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"ttl": 0}, ValueError),
+        ({"timeout": -1}, ValueError),
+        ({"limit": 0}, ValueError),
+        ({"busy_status": 200}, ValueError),
+        ({"lost_status": 409}, ValueError),  # a lost lease is the server's failure: 5xx
+        ({"busy_status": "409"}, TypeError),
+        ({"client": "redis://localhost"}, TypeError),
+        ({"state_key": "not a name"}, ValueError),
+    ],
+)
+def test_bad_arguments_fail_when_the_app_is_built(options: dict[str, Any], error: type) -> None:
+    with pytest.raises(error):
+        request_lock("orders:{order_id}", **options)
+
+
+@pytest.mark.parametrize("template", ["", "orders:{}", "orders:{id!r}", "orders:{{id}}", "o:{"])
+def test_bad_templates_fail_when_the_app_is_built(template: str) -> None:
+    with pytest.raises(ValueError, match="lock name template"):
+        request_lock(template)
+
+
+class GatedGateway:
+    """The example's payment gateway, held at the gate until the test opens it."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def charge(self, order_id: int) -> int:
+        await self.gate.pass_through(order_id)
+        return 100 * order_id
+
+
+@ONE_SERVER
+async def test_the_example_app(
+    r: redis.asyncio.Redis, url: str, tasks: Tasks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = load_example("fastapi_orders")
+    monkeypatch.setenv("REDIS_URL", url)
+    gate = Gate()
+    example.app.dependency_overrides[example.gateway] = lambda: GatedGateway(gate)
+    async with http(example.app) as client:
+        first = tasks.start(client.post("/orders/42/charge"))
+        await gate.wait_entered(42)
+        double_click = await client.post("/orders/42/charge")
+        assert double_click.status_code == 409
+        assert double_click.json()["detail"]["error"] == "lock_busy"
+        shipping = tasks.start(client.post("/orders/42/ship"))  # waits up to SHIP_WAIT
+        gate.opened[42].set()
+        charged = await first
+        assert charged.status_code == 200
+        assert charged.json() == {"order": 42, "amount": 4200, "fence": 1}
+        assert (await shipping).json() == {"order": 42, "fence": 2}
+        again = await client.post("/orders/42/charge")  # later: the record says no
+        assert again.json()["detail"] == {"error": "already_charged", "order": 42}
+    assert await r.hgetall("order:42") == {b"fence": b"1", b"amount": b"4200"}
+    assert await is_free(r, "orders:42")
+
+
+async def test_the_example_app_starts_its_own_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = load_example("fastapi_orders")
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    async with http(example.app) as client:
+        assert (await client.post("/orders/1/ship")).json() == {"order": 1, "fence": 1}
+
+
+def test_import_aiolocks_needs_no_web_framework() -> None:
+    """The integrations are imported only when asked for, so the core installs alone."""
+    code = (
+        "import sys, aiolocks, aiolocks.integrations\n"
+        "print(sorted({'fastapi', 'aiohttp', 'starlette', 'pytest'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
+async def test_an_unreachable_redis_answers_503() -> None:
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    no_retries = Retry(NoBackoff(), 0)  # fail at once, not after redis-py's back-off
+    client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=no_retries)
+    try:
+        gate = Gate()
+        async with http(orders_app(gate, request_lock("orders:{order_id}", client=client))) as c:
+            response = await c.post("/orders/1")
+    finally:
+        await client.aclose()
+    assert response.status_code == 503
+    assert response.json()["detail"]["error"] == "lock_unavailable"
+    assert not gate.entered[1].is_set()
