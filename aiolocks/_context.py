@@ -136,10 +136,7 @@ class ClientContext:
         for by_source in (False, True):
             async with self._slots:
                 pipe = self.client.pipeline(transaction=False)
-                if by_source:
-                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
-                else:
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                _stage(pipe, script, keys, args, by_source=by_source)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
                 self.commands_sent += 2
                 reply, acked = await pipe.execute(raise_on_error=False)
@@ -194,10 +191,7 @@ class ClientContext:
         async with self._slots:
             pipe = self.client.pipeline(transaction=False)
             for script, keys, args in calls:
-                if by_source:
-                    pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
-                else:
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                _stage(pipe, script, keys, args, by_source=by_source)
             self.commands_sent += len(calls)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
@@ -239,3 +233,13 @@ class ClientContext:
         self.closed = True
         await self.keeper.aclose()
         await self.notifier.aclose()
+
+
+def _stage(
+    pipe: Any, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, by_source: bool
+) -> None:
+    """Add one script call to `pipe`: by SHA, or by its text (EVAL) after a NOSCRIPT."""
+    if by_source:
+        pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
+    else:
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
