@@ -31,6 +31,9 @@ SENTINELS = 3
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
 READY_TIMEOUT = 15.0
+# A split vote makes the sentinels retry the election after 2 x failover-timeout (10 s), so a
+# loaded machine can need two or three elections: allow for them.
+FAILOVER_WAIT = 60.0
 SYNCED = "<-> REPLICA sync: Finished with success"  # "MASTER <->" (Redis), "PRIMARY <->" (Valkey)
 # Sentinel's hello and INFO periods (2 s and 10 s) made short with SENTINEL DEBUG (Redis 7+,
 # Valkey), so the sentinels find each other and the replicas within a fraction of a second.
@@ -173,7 +176,9 @@ class SentinelGroup:
 
     # -- failover -----------------------------------------------------------------------------
 
-    async def kill_primary_and_wait_failover(self, timeout: float = 20.0) -> tuple[str, int]:
+    async def kill_primary_and_wait_failover(
+        self, timeout: float = FAILOVER_WAIT
+    ) -> tuple[str, int]:
         """SIGKILL the primary and wait until every sentinel announces ``+switch-master``.
 
         Returns the new primary's address; ``primary`` is then the promoted replica (which
@@ -187,9 +192,15 @@ class SentinelGroup:
                 await pubsub.subscribe("+switch-master")
             old = self.primary
             os.kill(old.pid, signal.SIGKILL)
-            addresses = await asyncio.wait_for(
-                asyncio.gather(*(_switched_to(pubsub) for pubsub in pubsubs)), timeout
-            )
+            try:
+                addresses = await asyncio.wait_for(
+                    asyncio.gather(*(_switched_to(pubsub) for pubsub in pubsubs)), timeout
+                )
+            except TimeoutError:
+                raise AssertionError(
+                    f"{self!r}: no +switch-master on every sentinel within {timeout:g}s\n"
+                    + self._sentinel_logs()
+                ) from None
         finally:
             for pubsub in pubsubs:
                 close: Callable[[], Awaitable[None]] = pubsub.aclose  # untyped upstream
@@ -207,6 +218,14 @@ class SentinelGroup:
         self.replicas.remove(promoted)
         self.failover_seconds = time.monotonic() - began
         return address
+
+    def _sentinel_logs(self) -> str:
+        """The last lines of each sentinel's log, for a failover that did not happen."""
+        parts = []
+        for sentinel in self.sentinels:
+            lines = sentinel.log().splitlines()[-25:]
+            parts.append(f"--- {sentinel!r}:\n" + "\n".join(lines))
+        return "\n".join(parts)
 
 
 async def _switched_to(pubsub: redis.asyncio.client.PubSub) -> tuple[str, int]:

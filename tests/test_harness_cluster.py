@@ -236,7 +236,7 @@ async def test_sentinel_failover_promotes_replica_and_master_for_follows(
     try:
         await client.set("k", "before failover")
         assert await execute(client)("WAIT", 1, 5000) == 1
-        address = await group.kill_primary_and_wait_failover(timeout=20.0)
+        address = await group.kill_primary_and_wait_failover()
         assert address == (HOST, replica.port)
         assert group.primary is replica and not old_primary.running
         assert group.failover_seconds > 0
