@@ -24,11 +24,12 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.exceptions
 
+from . import _telemetry
 from ._context import ClientContext
 from ._leases import cancelling
 from ._scripts import Script
@@ -75,6 +76,8 @@ class Spec:
     # Builds the error for a REFUSED reply (given the stored value); primitives that store
     # configuration set it.
     refused: Callable[[int], Exception] | None = None
+    # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
+    counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +224,7 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
         unsure = True
         reply = await context.run(spec.release, spec.keys, args, retry=False)
     wake_granted(context, spec, reply, 1)
+    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
     held = int(reply[0]) == 1
     return None if unsure and not held else held
 

@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 import anyio
 from redis.asyncio.cluster import RedisCluster
 
-from . import _acquire
+from . import _acquire, _telemetry
 from ._clients import AnyRedis, ensure_async_client
 from ._context import ClientContext, context_for
 from ._errors import (
@@ -120,6 +120,11 @@ class LockStatistics:
     tasks_waiting: int  # tasks of this instance waiting to acquire
     lease_remaining: float | None  # seconds the current task's lease is known valid, if held
     lost: bool  # the current task's holding was lost
+    # Cumulative, for this instance since it was made (every task, this process):
+    acquisitions: int = 0  # acquire() calls that got it
+    timeouts: int = 0  # acquire() calls whose timeout ran out (LockTimeout included)
+    leases_lost: int = 0  # holdings whose lease was lost
+    handoffs: int = 0  # waiters its releases let in (each a grant made by the release)
 
 
 class Holding:
@@ -186,6 +191,7 @@ class LeasedLock:
 
     # -- acquire / release -------------------------------------------------------------
 
+    @_telemetry.observe_acquire
     async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Acquire for the current task; False if not blocking and busy, or on timeout.
 
@@ -279,6 +285,7 @@ class LeasedLock:
         finished is adopted), and `LockLost` if the lease had been lost meanwhile.
         """
         holding = self._take_holding()
+        _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
         if holding.lease is not None:
             context.keeper.drop(holding.lease)
@@ -297,6 +304,7 @@ class LeasedLock:
             held = holding.lease is None or holding.lease.remaining > 0
         if not held:
             holding.lost_reason = "it was no longer held when released"
+            _telemetry.on_lease_lost(self._spec, holding.token)
             holding.lost.set()
             raise self._lost_error(holding)
 
@@ -320,6 +328,7 @@ class LeasedLock:
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
         holding.lost_reason = reason
+        _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()
         scope = self._scopes.get(holding.task)
         if scope is not None and self._holdings.get(holding.task) is holding:
@@ -362,12 +371,17 @@ class LeasedLock:
         """A cheap local snapshot; see `inspect()` for what the server says."""
         holding = self._current()
         lease = None if holding is None else holding.lease
+        counters = self._spec.counters
         return LockStatistics(
             name=self._name,
             held_here=len(self._holdings),
             tasks_waiting=self._waiting,
             lease_remaining=None if lease is None or lease.lost else lease.remaining,
             lost=holding is not None and holding.lost.is_set(),
+            acquisitions=counters.acquisitions,
+            timeouts=counters.timeouts,
+            leases_lost=counters.leases_lost,
+            handoffs=counters.handoffs,
         )
 
     # -- async with and decorator ------------------------------------------------------

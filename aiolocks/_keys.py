@@ -47,3 +47,12 @@ class KeySpace:
 
     def key(self, part: str) -> bytes:
         return f"{self.prefix}:{self.kind}:{{{self.name}}}:{part}".encode()
+
+
+def parse_key(key: bytes) -> tuple[str, str, str]:
+    """The (kind, name, part) of a key made by `KeySpace.key`: its inverse, for telemetry
+    that sees only a key. A name has no `}`, so the last `}:` ends it."""
+    head, _, rest = key.partition(b"{")
+    name, _, part = rest.rpartition(b"}:")
+    kind = head[:-1].rpartition(b":")[2]
+    return kind.decode(), name.decode(), part.decode()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 
+from . import _telemetry
 from ._scripts import Script, load
 from ._waitqueue import Waiter
 
@@ -190,6 +191,7 @@ class LeaseKeeper:
             results = [exc] * len(calls)
         for lease, result in zip(leases, results[: len(leases)], strict=True):
             self._settle_lease(lease, result, sent_at)
+        _telemetry.on_renewal(leases, results[: len(leases)])
         for group, waiters, result in zip(groups, members, results[len(leases) :], strict=True):
             self._settle_heartbeat(group, waiters, result)
         self._expire_overdue()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, final
 
 from . import _acquire
@@ -168,5 +168,5 @@ class RedisSemaphore(LeasedLock):
         with map_redis_errors(self._name):
             reply = await context.run(_SET_LIMIT, self._spec.keys, args)
         self._limit = limit
-        self._spec = self._make_spec()
+        self._spec = replace(self._make_spec(), counters=self._spec.counters)
         _acquire.wake_granted(context, self._spec, reply, 1)

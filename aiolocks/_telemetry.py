@@ -1,0 +1,187 @@
+"""The engine's event hooks: local counters always, metrics and spans only when asked for.
+
+The engine calls the `on_*` functions (and `observe_acquire` wraps `acquire`) at a few
+points: acquire, release, hand-off, lease renewal, lease loss. They keep each instance's
+cumulative counters (read by `statistics()`) and pass the event on to `recorder` when
+`aiolocks.otel.instrument()` has installed one. With none installed the cost is a None
+test, and nothing imports OpenTelemetry. A recorder that fails is logged, never raised:
+telemetry must not break a lock, nor the lease keeper that calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+
+from ._keys import parse_key
+
+if TYPE_CHECKING:
+    from ._acquire import Spec
+    from ._holding import LeasedLock
+    from ._leases import Lease
+
+__all__ = [
+    "ACQUIRED",
+    "BUSY",
+    "CANCELLED",
+    "ERROR",
+    "TIMEOUT",
+    "Counters",
+    "Recorder",
+    "describe",
+    "observe_acquire",
+    "on_handoff",
+    "on_lease_lost",
+    "on_release",
+    "on_renewal",
+    "recorder",
+]
+
+log = logging.getLogger("aiolocks")
+
+# How an acquire() call ended.
+ACQUIRED, TIMEOUT, BUSY, CANCELLED, ERROR = "acquired", "timeout", "busy", "cancelled", "error"
+
+AcquireCall = Callable[["LeasedLock", bool, "float | None"], Awaitable[bool]]
+F = TypeVar("F", bound=Callable[..., Awaitable[bool]])
+
+
+class Counters:
+    """Cumulative counts of one primitive instance since it was made (`statistics()`)."""
+
+    __slots__ = ("acquisitions", "handoffs", "leases_lost", "timeouts")
+
+    def __init__(self) -> None:
+        self.acquisitions = 0  # acquire() calls that got it
+        self.timeouts = 0  # acquire() calls whose timeout ran out
+        self.leases_lost = 0  # holdings whose lease was lost
+        self.handoffs = 0  # grants its releases made to waiters
+
+
+class Recorder(Protocol):
+    """What `instrument()` installs; every method is called on the event loop."""
+
+    def acquire_started(self, lock: LeasedLock) -> object:
+        """An acquire() call began; the returned handle comes back to `acquire_ended`."""
+
+    def acquire_ended(
+        self, handle: object, lock: LeasedLock, outcome: str, error: BaseException | None
+    ) -> None:
+        """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
+        task holds `lock`."""
+
+    def released(self, spec: Spec, token: str) -> None:
+        """The holding `token` is being released (its hold ends)."""
+
+    def handed_off(self, spec: Spec, count: int) -> None:
+        """A release let `count` waiters in."""
+
+    def lease_lost(self, spec: Spec, token: str) -> None:
+        """The lease of holding `token` was lost."""
+
+    def renewed(self, leases: Sequence[Lease], results: Sequence[object]) -> None:
+        """One renewal batch: each lease's result (1 renewed, 0 lost, an exception failed)."""
+
+
+recorder: Recorder | None = None
+"""The installed recorder; None (the default) means telemetry is off."""
+
+
+def observe_acquire(method: F) -> F:
+    """Wrap `LeasedLock.acquire`: count its outcome and, if a recorder is on, report it."""
+    call = cast(AcquireCall, method)
+
+    @functools.wraps(call)
+    async def acquire(
+        lock: LeasedLock, blocking: bool = True, timeout: float | None = None
+    ) -> bool:
+        active = recorder
+        if active is not None:
+            return await _observed(active, call, lock, blocking, timeout)
+        acquired = await call(lock, blocking, timeout)
+        _tally(lock, acquired, blocking, timeout)
+        return acquired
+
+    return cast(F, acquire)
+
+
+async def _observed(
+    active: Recorder, call: AcquireCall, lock: LeasedLock, blocking: bool, timeout: float | None
+) -> bool:
+    try:
+        handle = active.acquire_started(lock)
+    except Exception:
+        log.exception("aiolocks: telemetry recorder failed")
+        acquired = await call(lock, blocking, timeout)
+        _tally(lock, acquired, blocking, timeout)
+        return acquired
+    try:
+        acquired = await call(lock, blocking, timeout)
+    except BaseException as exc:
+        outcome = CANCELLED if isinstance(exc, asyncio.CancelledError) else ERROR
+        _safely(active.acquire_ended, handle, lock, outcome, exc)
+        raise
+    _safely(active.acquire_ended, handle, lock, _tally(lock, acquired, blocking, timeout), None)
+    return acquired
+
+
+def _tally(lock: LeasedLock, acquired: bool, blocking: bool, timeout: float | None) -> str:
+    counters = lock._spec.counters
+    if acquired:
+        counters.acquisitions += 1
+        return ACQUIRED
+    if not blocking or timeout == 0:  # one try, refused: busy, not a timeout
+        return BUSY
+    counters.timeouts += 1
+    return TIMEOUT
+
+
+def on_release(spec: Spec, token: str) -> None:
+    """The holding `token` is being released."""
+    active = recorder
+    if active is not None:
+        _safely(active.released, spec, token)
+
+
+def on_handoff(spec: Spec, count: int) -> None:
+    """A release script let `count` waiters in (it may be 0)."""
+    if count:
+        spec.counters.handoffs += count
+        active = recorder
+        if active is not None:
+            _safely(active.handed_off, spec, count)
+
+
+def on_lease_lost(spec: Spec, token: str) -> None:
+    """The lease of holding `token` was lost (found by renewal, or at release)."""
+    spec.counters.leases_lost += 1
+    active = recorder
+    if active is not None:
+        _safely(active.lease_lost, spec, token)
+
+
+def on_renewal(leases: Sequence[Lease], results: Sequence[object]) -> None:
+    """The lease keeper settled one renewal batch."""
+    active = recorder
+    if active is not None and leases:
+        _safely(active.renewed, leases, results)
+
+
+@functools.lru_cache(maxsize=1024)
+def describe(key: bytes) -> tuple[str, str]:
+    """(kind, name) of the primitive whose renewal key is `key`; kind is one of `mutex`,
+    `semaphore`, `rwlock_read`, `rwlock_write`."""
+    kind, name, part = parse_key(key)
+    if kind == "rwlock":
+        kind = "rwlock_write" if part == "writer" else "rwlock_read"
+    return kind, name
+
+
+def _safely(method: Callable[..., object], *args: Any) -> None:
+    try:
+        method(*args)
+    except Exception:
+        log.exception("aiolocks: telemetry recorder failed")
