@@ -17,6 +17,7 @@ from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
+from .registry import RegistryStatistics as RegistryStatistics
 from .rwlock import ReadLock as ReadLock
 from .rwlock import RedisReadWriteLock as RedisReadWriteLock
 from .rwlock import RWLockInfo as RWLockInfo
@@ -40,6 +41,7 @@ __all__ = (
     "RedisReadWriteLock",
     "RedisRegistry",
     "RedisSemaphore",
+    "RegistryStatistics",
     "SemaphoreInfo",
     "ServerUnavailable",
     "WriteLock",

@@ -129,12 +129,10 @@ class OtelRecorder:
         now = time.perf_counter()
         wait = now - handle.started
         attributes = {**handle.attributes, OUTCOME: outcome}
+        span_attributes: dict[str, AttributeValue] = {OUTCOME: outcome, WAIT: wait}
         span = handle.span
-        span.set_attribute(OUTCOME, outcome)
-        span.set_attribute(WAIT, wait)
         if outcome == ERROR and error is not None:
-            attributes[ERROR_TYPE] = type(error).__qualname__
-            span.set_attribute(ERROR_TYPE, type(error).__qualname__)
+            attributes[ERROR_TYPE] = span_attributes[ERROR_TYPE] = type(error).__qualname__
             span.record_exception(error)
             span.set_status(trace.StatusCode.ERROR, str(error))
         self._wait.record(wait, attributes)
@@ -142,7 +140,7 @@ class OtelRecorder:
             self._timeouts.add(1, handle.attributes)
         holding = lock._current() if outcome == ACQUIRED else None
         if holding is not None:
-            span.set_attribute(FENCE, holding.fence)
+            span_attributes[FENCE] = holding.fence
             hold_span = None
             if self._hold_spans:
                 hold_span = self._tracer.start_span(
@@ -150,6 +148,7 @@ class OtelRecorder:
                     attributes={KIND: handle.kind, NAME: lock.name, FENCE: holding.fence},
                 )
             self._holds[holding.token] = _Hold(now, hold_span, handle.attributes)
+        span.set_attributes(span_attributes)
         span.end()
 
     # -- holding -----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any, final
 
 from ._clients import AnyRedis, ensure_async_client
@@ -12,7 +13,7 @@ from ._errors import map_redis_errors
 from ._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._scripts import load
 
-__all__ = ["MAX_NAME_BYTES", "RedisRegistry"]
+__all__ = ["MAX_NAME_BYTES", "RedisRegistry", "RegistryStatistics"]
 
 _REGISTER = load("registry_register", prelude=False)
 
@@ -29,6 +30,15 @@ _ENCODING = "utf-8"
 _ERRORS = "surrogateescape"
 
 
+@dataclass(frozen=True, slots=True)
+class RegistryStatistics:
+    """A cheap local snapshot of one `RedisRegistry` instance (no Redis call)."""
+
+    name: str
+    requested: int  # names asked for through register() / register_many() (cumulative)
+    waiting: int  # register() / register_many() calls waiting for their ids now
+
+
 @final
 class RedisRegistry:
     """Names -> ids 1, 2, 3, ...: the same name always gets the same id, for ever.
@@ -42,7 +52,16 @@ class RedisRegistry:
       `str` and its UTF-8 bytes are the same name.
     """
 
-    __slots__ = ("_client", "_counter", "_ids", "_max_name_bytes", "_name", "_names")
+    __slots__ = (
+        "_client",
+        "_counter",
+        "_ids",
+        "_max_name_bytes",
+        "_name",
+        "_names",
+        "_requested",
+        "_waiting",
+    )
 
     def __init__(
         self,
@@ -63,6 +82,8 @@ class RedisRegistry:
         if max_name_bytes < 1:
             raise ValueError(f"max_name_bytes must be >= 1, got {max_name_bytes!r}")
         self._max_name_bytes = max_name_bytes
+        self._requested = 0
+        self._waiting = 0
 
     @property
     def name(self) -> str:
@@ -72,6 +93,10 @@ class RedisRegistry:
     def __repr__(self) -> str:
         return f"<RedisRegistry {self._name!r}>"
 
+    def statistics(self) -> RegistryStatistics:
+        """A cheap local snapshot of this instance; `count()` asks the server."""
+        return RegistryStatistics(name=self._name, requested=self._requested, waiting=self._waiting)
+
     async def register(self, name: str | bytes) -> int:
         """The id of `name`, registering it first if it is new."""
         encoded = self._encode(name)
@@ -79,7 +104,12 @@ class RedisRegistry:
         coalescer = context.coalescers.get(self._ids)
         if coalescer is None:
             coalescer = context.coalescers[self._ids] = Coalescer(self._register, _COALESCE_BATCH)
-        return await coalescer.submit(encoded)
+        self._requested += 1
+        self._waiting += 1
+        try:
+            return await coalescer.submit(encoded)
+        finally:
+            self._waiting -= 1
 
     async def register_many(self, names: Iterable[str | bytes]) -> list[int]:
         """The ids of `names`, in order, registering the new ones: one round trip.
@@ -88,7 +118,14 @@ class RedisRegistry:
         appear. The batch is atomic: no other registration interleaves with it.
         """
         encoded = self._encode_all(names, "names")
-        return await self._register(encoded) if encoded else []
+        if not encoded:
+            return []
+        self._requested += len(encoded)
+        self._waiting += 1
+        try:
+            return await self._register(encoded)
+        finally:
+            self._waiting -= 1
 
     async def id_of(self, name: str | bytes) -> int | None:
         """The id of `name`, or None if it was never registered (registers nothing)."""

@@ -345,6 +345,28 @@ async def test_uninstrument_restores_the_no_op(
     assert mutex.statistics().acquisitions == 2  # local counters do not depend on it
 
 
+async def test_statistics_count_without_telemetry(client: redis.asyncio.Redis) -> None:
+    assert not aiolocks.otel.is_instrumented()
+    mutex = RedisMutex(client, "local", ttl=5)
+    assert await mutex.acquire()
+    started = await _hold_while_queued(mutex, QueueProbe(client), 2)
+    await mutex.release()
+    await asyncio.wait_for(asyncio.gather(*started), 5.0)
+    with pytest.raises(LockLost):
+        async with mutex:
+            assert not await asyncio.create_task(mutex.acquire(timeout=0.01))
+            await expire_lease(mutex)
+    stats = mutex.statistics()
+    assert (stats.acquisitions, stats.handoffs, stats.timeouts, stats.leases_lost) == (4, 2, 1, 1)
+    assert (stats.held_here, stats.tasks_waiting, stats.lost) == (0, 0, False)
+
+    permit = RedisSemaphore(client, "local", limit=1, ttl=5)
+    async with permit:
+        pass
+    await permit.set_limit(2)  # a new limit keeps the counts
+    assert permit.statistics().acquisitions == 1
+
+
 async def test_a_failing_recorder_is_logged_and_never_breaks_a_lock(
     client: redis.asyncio.Redis,
     monkeypatch: pytest.MonkeyPatch,

@@ -19,7 +19,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
-from aiolocks import RedisRegistry, ServerUnavailable
+from aiolocks import RedisRegistry, RegistryStatistics, ServerUnavailable
 from aiolocks._context import context_for
 from aiolocks.registry import MAX_NAME_BYTES
 
@@ -370,3 +370,14 @@ async def test_distinct_names_from_four_processes_get_ids_1_to_n(
     expected = [str(forward[f"user-{i:05d}".encode()]).encode() for i in range(10_000)]
     for worker in range(4):
         assert await r.lrange(f"test:{{all}}:seen:{worker}", 0, -1) == expected
+
+
+async def test_statistics_count_requests_and_waiting_calls(fake_r: redis.asyncio.Redis) -> None:
+    registry = RedisRegistry(fake_r, "stats")
+    assert registry.statistics() == RegistryStatistics(name="stats", requested=0, waiting=0)
+    calls = [asyncio.create_task(registry.register(f"n{i % 4}")) for i in range(10)]
+    await asyncio.sleep(0)  # each call has run up to its wait for the batch's reply
+    assert registry.statistics().waiting == 10
+    assert sorted(set(await asyncio.gather(*calls))) == [1, 2, 3, 4]
+    assert await registry.register_many(["a", "b", "a"]) == [5, 6, 5]
+    assert registry.statistics() == RegistryStatistics(name="stats", requested=13, waiting=0)
