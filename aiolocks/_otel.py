@@ -53,7 +53,7 @@ class _Hold:
 
     def __init__(
         self, started: float, span: trace.Span | None, attributes: dict[str, AttributeValue]
-    ):
+    ) -> None:
         self.started = started
         self.span = span
         self.attributes = attributes
