@@ -34,7 +34,7 @@ from ._leases import cancelling
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
 
-__all__ = ["Grant", "Spec", "acquire", "release", "release_surely", "shielded"]
+__all__ = ["Grant", "Spec", "acquire", "completed", "release", "release_surely", "shielded"]
 
 T = TypeVar("T")
 
@@ -290,16 +290,23 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
         except Exception:
             return None
 
-    task = asyncio.ensure_future(bounded())
+    return await completed(bounded())
+
+
+async def completed(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` (in a task of its own) to the end even if the caller is cancelled
+    meanwhile; that cancellation is re-raised once it is done, and wins over its outcome."""
+    task = asyncio.ensure_future(awaitable)
     cancelled = False
-    while True:
+    while not task.done():
         try:
             await asyncio.shield(task)
-            break
         except asyncio.CancelledError:
-            cancelled = True  # even if the call finished meanwhile: never swallow it
-            if task.done():
-                break
+            cancelled = cancelled or not task.cancelled()  # never swallow the caller's
+        except BaseException:
+            break  # the task's own error: result() raises it below
     if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
         raise asyncio.CancelledError
     return task.result()
