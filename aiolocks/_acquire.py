@@ -212,17 +212,24 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    member = context.waitqueue.member(token, ttl_ms, spec.kind)
-    args = (member, spec.channel, *spec.args)
-    unsure = False
-    try:
-        reply = await context.run(spec.release, spec.keys, args, retry=False)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-        unsure = True
-        reply = await context.run(spec.release, spec.keys, args, retry=False)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms)
     wake_granted(context, spec, reply, 1)
     held = int(reply[0]) == 1
     return None if unsure and not held else held
+
+
+async def release_reply(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *extra: Any
+) -> tuple[list[Any], bool]:
+    """Run the release script for `token` (with `extra` arguments after the spec's), once, or
+    once more after a connection error; returns its reply, and whether a first call was cut
+    off (it may have done the work, and the reply is then the retry's)."""
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    args = (member, spec.channel, *spec.args, *extra)
+    try:
+        return await context.run(spec.release, spec.keys, args, retry=False), False
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        return await context.run(spec.release, spec.keys, args, retry=False), True
 
 
 def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: int) -> None:

@@ -220,24 +220,24 @@ class Cohort:
         self._give(waiter.lock, waiter.task, fence)
         waiter.future.set_result(_Turn.HOLD)
 
-    async def _keep_or_return(self, token: str) -> bool:
+    async def _keep_or_return(self, token: str) -> bool | None:
         """The bound is reached with local tasks waiting: the release script gives the lease
         to the global queue, or, when nobody waits there, lets the cohort keep it with a
         fresh lease and fence block (one round trip either way)."""
         context, spec = self._context, self._spec
-        member = context.waitqueue.member(token, self._ttl_ms, spec.kind)
         sent_at = time.monotonic()
         try:
-            reply = await context.run(spec.release, spec.keys, (member, spec.channel, "keep"))
+            reply, unsure = await _acquire.release_reply(context, spec, token, self._ttl_ms, "keep")
         except BaseException:
             self._let_go()
             self._promote()
             raise
-        if int(reply[0]) != 2:
+        status = int(reply[0])
+        if status != 2:
             _acquire.wake_granted(context, spec, reply, 1)
             self._let_go()
             self._promote()
-            return int(reply[0]) == 1
+            return None if unsure and status == 0 else status == 1
         if self.token != token or self._lease is None:
             # Lost while the call was in flight, yet kept: give it straight back.
             await _acquire.release(context, spec, token, self._ttl_ms)
