@@ -35,7 +35,7 @@ from ._leases import cancelling
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
 
-__all__ = ["Grant", "Spec", "acquire", "release", "release_surely", "shielded"]
+__all__ = ["Grant", "Spec", "acquire", "completed", "release", "release_surely", "shielded"]
 
 T = TypeVar("T")
 
@@ -215,18 +215,25 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    member = context.waitqueue.member(token, ttl_ms, spec.kind)
-    args = (member, spec.channel, *spec.args)
-    unsure = False
-    try:
-        reply = await context.run(spec.release, spec.keys, args, retry=False)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-        unsure = True
-        reply = await context.run(spec.release, spec.keys, args, retry=False)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms)
     wake_granted(context, spec, reply, 1)
     _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
     held = int(reply[0]) == 1
     return None if unsure and not held else held
+
+
+async def release_reply(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *extra: Any
+) -> tuple[list[Any], bool]:
+    """Run the release script for `token` (with `extra` arguments after the spec's), once, or
+    once more after a connection error; returns its reply, and whether a first call was cut
+    off (it may have done the work, and the reply is then the retry's)."""
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    args = (member, spec.channel, *spec.args, *extra)
+    try:
+        return await context.run(spec.release, spec.keys, args, retry=False), False
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        return await context.run(spec.release, spec.keys, args, retry=False), True
 
 
 def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: int) -> None:
@@ -294,16 +301,23 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
         except Exception:
             return None
 
-    task = asyncio.ensure_future(bounded())
+    return await completed(bounded())
+
+
+async def completed(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` (in a task of its own) to the end even if the caller is cancelled
+    meanwhile; that cancellation is re-raised once it is done, and wins over its outcome."""
+    task = asyncio.ensure_future(awaitable)
     cancelled = False
-    while True:
+    while not task.done():
         try:
             await asyncio.shield(task)
-            break
         except asyncio.CancelledError:
-            cancelled = True  # even if the call finished meanwhile: never swallow it
-            if task.done():
-                break
+            cancelled = cancelled or not task.cancelled()  # never swallow the caller's
+        except BaseException:
+            break  # the task's own error: result() raises it below
     if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
         raise asyncio.CancelledError
     return task.result()

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 import redis.exceptions
@@ -25,6 +25,9 @@ from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
 from ._waitqueue import WaitQueue
+
+if TYPE_CHECKING:
+    from ._cohort import Cohort
 
 __all__ = ["ClientContext", "context_for"]
 
@@ -72,6 +75,8 @@ class ClientContext:
         pool = getattr(client, "connection_pool", None)
         pool_limit = getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
+        # Local hand-off cohorts (_cohort.py), by (channel, ttl_ms, bound); idle ones leave.
+        self.cohorts: dict[tuple[bytes, int, int], Cohort] = {}
         # Registries' coalesced register() calls, by the registry's ids key.
         self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
         # redis-py's RedisCluster initialises itself on first use, and concurrent first

@@ -25,6 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from . import _acquire, _telemetry
 from ._clients import AnyRedis, ensure_async_client
+from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
 from ._errors import (
     LockLost,
@@ -145,6 +146,7 @@ class LeasedLock:
     """Base of every primitive whose acquisitions are task-owned leases."""
 
     _kind = "lock"
+    _local_handoff = 0  # > 0: tasks of this process pass the lease on (see _cohort.py)
 
     def __init__(
         self,
@@ -214,22 +216,37 @@ class LeasedLock:
         if held is not None:
             raise LockReentry(self._name, reason, token=held.token)
         context = context_for(self._client)
-        token = secrets.token_hex(16)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._waiting += 1
         try:
-            with map_redis_errors(self._name):
-                grant = await _acquire.acquire(
-                    context, self._spec, token, self._ttl_ms, blocking=blocking, deadline=deadline
-                )
+            if self._local_handoff:
+                cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
+                return await cohort.acquire(self, task, blocking, deadline)
+            grant = await self._acquire_grant(context, 0, blocking, deadline)
         finally:
             self._waiting -= 1
         if grant is None:
             return False
-        if self._replicas:
-            await self._confirm_replicated(context, grant)
-        self._hold(context, task, grant)
+        holding = self._install(task, grant.token, grant.fence)
+        holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
+        context.keeper.hold(holding.lease)
         return True
+
+    async def _acquire_grant(
+        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+    ) -> _acquire.Grant | None:
+        """One acquisition through Redis (replication confirmed, if asked for); `bound` > 0
+        makes it a local hand-off cohort's, which reserves `bound + 1` fences."""
+        token = secrets.token_hex(16)
+        if bound:
+            token = cohort_token(token, bound)
+        with map_redis_errors(self._name):
+            grant = await _acquire.acquire(
+                context, self._spec, token, self._ttl_ms, blocking=blocking, deadline=deadline
+            )
+        if grant is not None and self._replicas:
+            await self._confirm_replicated(context, grant)
+        return grant
 
     async def _confirm_replicated(self, context: ClientContext, grant: _acquire.Grant) -> None:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it
@@ -265,18 +282,24 @@ class LeasedLock:
                 )
             raise
 
-    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
-        holding = Holding(task, grant.token, grant.fence)
-        holding.lease = Lease(
+    def _new_lease(self, grant: _acquire.Grant, on_lost: Callable[[str], None]) -> Lease:
+        return Lease(
             self._spec.renew,
             self._spec.renew_keys,
             (grant.token, self._ttl_ms),
             self._ttl,
             grant.granted_at,
-            functools.partial(self._lease_lost, holding),
+            on_lost,
         )
+
+    def _install(
+        self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
+    ) -> Holding:
+        """Record that `task` holds this instance now."""
+        holding = Holding(task, token, fence)
+        holding.lease = lease
         self._holdings[task] = holding
-        context.keeper.hold(holding.lease)
+        return holding
 
     async def release(self) -> None:
         """Release the current task's holding.
@@ -287,8 +310,8 @@ class LeasedLock:
         holding = self._take_holding()
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if holding.lease is not None:
-            context.keeper.drop(holding.lease)
+        if holding.lease is not None and not self._local_handoff:
+            context.keeper.drop(holding.lease)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
             # Best-effort: the key is gone or someone else's; this only tidies the queue.
             await _acquire.shielded(
@@ -297,7 +320,13 @@ class LeasedLock:
             )
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
-            held = await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
+            if self._local_handoff:
+                cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
+                held = await cohort.release(self, holding)
+            else:
+                held = await _acquire.release_surely(
+                    context, self._spec, holding.token, self._ttl_ms
+                )
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.

@@ -27,6 +27,7 @@ __all__ = ["OtelRecorder"]
 SCOPE = "aiolocks"
 KIND, NAME, OUTCOME = "aiolocks.lock.kind", "aiolocks.lock.name", "aiolocks.acquire.outcome"
 RENEWAL_OUTCOME, FENCE, WAIT = "aiolocks.renewal.outcome", "aiolocks.fence", "aiolocks.acquire.wait"
+LOCAL = "aiolocks.handoff.local"
 ERROR_TYPE = "error.type"  # the semantic-conventions attribute for a failure's class
 # Waits and holds range from a hand-off on loopback (under a millisecond) to minutes.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -161,8 +162,9 @@ class OtelRecorder:
         if hold.span is not None:
             hold.span.end()
 
-    def handed_off(self, spec: Spec, count: int) -> None:
-        self._handoffs.add(count, self._metric_attributes(spec.renew_keys[0]))
+    def handed_off(self, spec: Spec, count: int, local: bool) -> None:
+        attributes = self._metric_attributes(spec.renew_keys[0])
+        self._handoffs.add(count, {**attributes, LOCAL: local})
 
     def lease_lost(self, spec: Spec, token: str) -> None:
         self._lost.add(1, self._metric_attributes(spec.renew_keys[0]))

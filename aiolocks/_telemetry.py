@@ -76,8 +76,8 @@ class Recorder(Protocol):
     def released(self, spec: Spec, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""
 
-    def handed_off(self, spec: Spec, count: int) -> None:
-        """A release let `count` waiters in."""
+    def handed_off(self, spec: Spec, count: int, local: bool) -> None:
+        """A release let `count` waiters in (`local`: a cohort's pass, no Redis call)."""
 
     def lease_lost(self, spec: Spec, token: str) -> None:
         """The lease of holding `token` was lost."""
@@ -146,13 +146,14 @@ def on_release(spec: Spec, token: str) -> None:
         _safely(active.released, spec, token)
 
 
-def on_handoff(spec: Spec, count: int) -> None:
-    """A release script let `count` waiters in (it may be 0)."""
+def on_handoff(spec: Spec, count: int, *, local: bool = False) -> None:
+    """A release let `count` waiters in (it may be 0): by the release script's grants, or
+    `local`ly, a `local_handoff` cohort passing its lease to its next task."""
     if count:
         spec.counters.handoffs += count
         active = recorder
         if active is not None:
-            _safely(active.handed_off, spec, count)
+            _safely(active.handed_off, spec, count, local)
 
 
 def on_lease_lost(spec: Spec, token: str) -> None:

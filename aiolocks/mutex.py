@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import final
 
 from . import _acquire
+from ._clients import AnyRedis
+from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
-from ._holding import LeasedLock
-from ._keys import KeySpace
+from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
+from ._keys import DEFAULT_PREFIX, KeySpace
 from ._scripts import load
 
 __all__ = ["MutexInfo", "RedisMutex"]
@@ -29,6 +31,14 @@ class MutexInfo:
     fence: int  # the last fencing token handed out (0: never acquired)
 
 
+def _validate_local_handoff(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"local_handoff must be an int, not {type(value).__name__}")
+    if not 0 <= value <= MAX_LOCAL_HANDOFF:
+        raise ValueError(f"local_handoff must be between 0 and {MAX_LOCAL_HANDOFF}, got {value}")
+    return value
+
+
 @final
 class RedisMutex(LeasedLock):
     """A distributed mutex: one holder at a time across every process using the name.
@@ -44,6 +54,30 @@ class RedisMutex(LeasedLock):
     """
 
     _kind = "mutex"
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+        replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        local_handoff: int = 0,
+    ) -> None:
+        """`local_handoff=N` (N > 0) lets this process's tasks pass the lock among
+        themselves, without a round trip, up to N times in a row before it goes back to the
+        global FIFO queue when other processes wait: much higher throughput under
+        contention from one process, for bounded unfairness across processes. Fences stay
+        strictly increasing across all holders. 0 (the default) is strict FIFO."""
+        self._local_handoff = _validate_local_handoff(local_handoff)
+        super().__init__(
+            client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
+            replicas=replicas, replica_timeout=replica_timeout,
+        )  # fmt: skip
 
     def _make_spec(self) -> _acquire.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)

@@ -107,6 +107,16 @@ class AiolocksPeer(Peer):
         await super().close()
 
 
+class AiolocksLocalHandoffPeer(AiolocksPeer):
+    """The same mutex with `local_handoff=16`: a process's tasks pass it among themselves."""
+
+    key = "aiolocks_local16"
+    label = "aiolocks RedisMutex local_handoff=16"
+
+    def lock(self, name: str) -> Contender:
+        return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=16))
+
+
 # ----------------------------------------------------------------------------- redis-py
 
 
@@ -339,6 +349,7 @@ class FloorPeer(Peer):
 
 PEERS: tuple[type[Peer], ...] = (
     AiolocksPeer,
+    AiolocksLocalHandoffPeer,
     RedisPyPeer,
     RedisPyFastPeer,
     PythonRedisLockPeer,

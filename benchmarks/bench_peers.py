@@ -60,7 +60,16 @@ from _harness import (
     wait_summary,
     write_json,
 )
-from _peers import BY_KEY, FLOOR, PEERS, AiolocksPeer, FloorPeer, Peer, unavailable
+from _peers import (
+    BY_KEY,
+    FLOOR,
+    PEERS,
+    AiolocksLocalHandoffPeer,
+    AiolocksPeer,
+    FloorPeer,
+    Peer,
+    unavailable,
+)
 from _workloads import (
     COUNTER,
     NAME,
@@ -701,7 +710,7 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], rtt: dict[str, Any]) 
     peers = [
         (key, r.get("acquisitions_per_s"))
         for key, r in results.get("processes", {}).items()
-        if key not in (ours, FLOOR) and r.get("acquisitions_per_s")
+        if not key.startswith("aiolocks") and key != FLOOR and r.get("acquisitions_per_s")
     ]
     if peers:
         best, best_rate = max(peers, key=lambda item: item[1] or 0)
@@ -749,6 +758,34 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], rtt: dict[str, Any]) 
                 "10,000 waiters: no growth of commands with time",
                 f"halves of the waiting window: {halves[0]} then {halves[1]} commands",
                 _le(halves[1], max(2, halves[0] or 0)),
+            )
+        )
+    out += local_handoff_targets(row)
+    return out
+
+
+def local_handoff_targets(row: Callable[[str, str], dict[str, Any]]) -> list[Any]:
+    """The local hand-off issue's targets, and its fairness cost (not a target: reported)."""
+    local, out = AiolocksLocalHandoffPeer.key, []
+    for workload, peer, need in (
+        ("contended", "python_redis_lock", 1.8),
+        ("processes", "python_redis_lock", 1.5),
+        ("contended", FLOOR, 0.8),
+    ):
+        x = ratio(
+            row(workload, local).get("acquisitions_per_s"),
+            row(workload, peer).get("acquisitions_per_s"),
+        )
+        label = f"local_handoff=16, {workload}: >= {need}x {BY_KEY[peer].label}"
+        out.append((label, f"{fmt(x)}x", _ge(x, need)))
+    for workload in ("contended", "processes"):
+        waits = [row(workload, key).get("wait_ms", {}) for key in (local, AiolocksPeer.key)]
+        out.append(
+            (
+                f"local_handoff=16, {workload}: fairness cost (wait p99 / max, strict FIFO beside)",
+                f"{fmt(waits[0].get('p99'))} / {fmt(waits[0].get('max'))} ms vs "
+                f"{fmt(waits[1].get('p99'))} / {fmt(waits[1].get('max'))} ms",
+                None,
             )
         )
     return out

@@ -139,13 +139,25 @@ async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyn
             await close_client(client)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# Each kind, and the mutex with local hand-off (tasks of one client passing it on).
+STORMS: list[tuple[Kind, dict[str, int]]] = [(kind, {}) for kind in KINDS] + [
+    ("mutex", {"local_handoff": 4})
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    STORMS,
+    ids=[kind + "".join(f"-{o}" for o in opts) for kind, opts in STORMS],
+)
 async def test_a_cancellation_storm_leaves_only_the_fence_counter(
-    clients: list[redis.asyncio.Redis], kind: Kind
+    clients: list[redis.asyncio.Redis], kind: Kind, options: dict[str, int]
 ) -> None:
-    rng = random.Random(f"storm-{kind}")
+    rng = random.Random(f"storm-{kind}-{options}")
     name = f"storm-{kind}"
-    sides = [side for client in clients for side in make_sides(client, kind, name, ttl=5)]
+    sides = [
+        side for client in clients for side in make_sides(client, kind, name, ttl=5, **options)
+    ]
     outcomes: dict[str, Counter[str]] = {method: Counter() for method in METHODS}
 
     async def attempt(method: str) -> None:
@@ -162,13 +174,15 @@ async def test_a_cancellation_storm_leaves_only_the_fence_counter(
     swallowed = sum(counts["swallowed"] for counts in outcomes.values())
     orphans = await leftovers(clients[0], kind, name)
     parked = [len(context_for(client).waitqueue) for client in clients]
+    cohorts = [context_for(client).cohorts for client in clients]
     stats = [side.lock.statistics() for side in sides]
     record(
         "5 cancellation storm",
         trials=cancelled,
         violations=swallowed,
         orphaned=len(orphans),
-        note=f"{kind}: {total} acquisitions in {elapsed:.1f} s, {cancelled} cancelled: "
+        note=f"{kind}{options or ''}: {total} acquisitions in {elapsed:.1f} s, "
+        f"{cancelled} cancelled: "
         + ", ".join(f"{m} {c['cancelled']}/{sum(c.values())}" for m, c in outcomes.items()),
     )
     assert total == ATTEMPTS
@@ -177,6 +191,7 @@ async def test_a_cancellation_storm_leaves_only_the_fence_counter(
     assert sum(counts["completed"] for counts in outcomes.values()) > 0, outcomes
     assert orphans == {}
     assert parked == [0, 0]
+    assert cohorts == [{}, {}]
     assert all(s.held_here == 0 and s.tasks_waiting == 0 for s in stats), stats
     fresh = make_sides(clients[1], kind, name, ttl=5)[-1].lock  # exclusive where there is one
     assert await fresh.acquire(blocking=False)  # at once: nothing stuck ahead of it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 import pytest
 import redis.asyncio
@@ -74,18 +75,25 @@ async def test_a_run_without_the_lock_is_caught(r: redis.asyncio.Redis) -> None:
     assert any("counter is" in p for p in problems)  # lost updates too
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# "mutex+local": the first client's mutex passes it among its tasks (local hand-off), the
+# second's is strict FIFO, on the same name.
+@pytest.mark.parametrize("variant", [*KINDS, "mutex+local"])
 async def test_history_of_a_contended_run_is_sound(
-    server: ServerProcess, r: redis.asyncio.Redis, kind: Kind
+    server: ServerProcess, r: redis.asyncio.Redis, variant: str
 ) -> None:
     """Two clients, eight tasks, every holding logged; 2 permits for the semaphore."""
-    name = f"hist-{kind}"
+    kind = cast(Kind, variant.split("+")[0])
+    name = f"hist-{variant}"
     others = [redis.asyncio.Redis.from_url(server.url) for _ in range(2)]
     try:
         log = HistoryLog(r, name)
         run = Contention(iterations=15)
         workers = [
-            (make_sides(client, kind, name, ttl=5, timeout=20), log.on(client), f"c{i}t{t}")
+            (
+                make_sides(client, kind, name, ttl=5, timeout=20, **_options(variant, i)),
+                log.on(client),
+                f"c{i}t{t}",
+            )
             for i, client in enumerate(others)
             for t in range(4)
         ]
@@ -96,7 +104,7 @@ async def test_history_of_a_contended_run_is_sound(
         problems = check(entries, limit=2, counter=await log.counter())
         orphans = await leftovers(r, kind, name)
         record(
-            f"7 history check: contended {kind}",
+            f"7 history check: contended {variant}",
             trials=len(entries),
             violations=len(problems),
             orphaned=len(orphans),
@@ -108,3 +116,7 @@ async def test_history_of_a_contended_run_is_sound(
     finally:
         for client in others:
             await client.aclose()
+
+
+def _options(variant: str, client: int) -> dict[str, int]:
+    return {"local_handoff": 3} if variant == "mutex+local" and client == 0 else {}

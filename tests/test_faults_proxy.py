@@ -327,7 +327,9 @@ async def test_random_drops_stalls_and_latency_during_a_contended_run(
         run = Contention(iterations=12, hold=0.01, seed=11)
         workers = [
             (
-                make_sides(client, kind, f"chaos-{kind}", ttl=1, timeout=30),
+                make_sides(
+                    client, kind, f"chaos-{kind}", ttl=1, timeout=30, **_cohort_options(kind, index)
+                ),
                 logs[kind].on(client),
                 f"{kind}:{index}:{task}",
             )
@@ -374,6 +376,12 @@ async def test_random_drops_stalls_and_latency_during_a_contended_run(
     finally:
         for client in proxied:
             await close_client(client)
+
+
+def _cohort_options(kind: Kind, index: int) -> dict[str, int]:
+    """The first proxied client's mutex passes it among its tasks (local hand-off), beside
+    strict-FIFO holders of the same name on the other clients."""
+    return {"local_handoff": 2} if kind == "mutex" and index == 0 else {}
 
 
 def _recovery(faults: list[float], grants: list[float]) -> list[float]:

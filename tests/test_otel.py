@@ -54,7 +54,7 @@ class Telemetry:
         self.reader = reader
         self.exporter = exporter
 
-    def points(self, name: str, **match: str) -> list[Point]:
+    def points(self, name: str, **match: object) -> list[Point]:
         """The points of instrument `name` whose attributes include `match` (keys with `_`
         for `.`: `aiolocks_lock_kind="mutex"`)."""
         wanted = {key.replace("_", "."): value for key, value in match.items()}
@@ -72,7 +72,7 @@ class Telemetry:
                             found.append(point)
         return found
 
-    def count(self, name: str, **match: str) -> float:
+    def count(self, name: str, **match: object) -> float:
         """A counter's total, or a histogram's number of recordings, over matching points."""
         return sum(
             point.count if isinstance(point, HistogramDataPoint) else point.value
@@ -156,6 +156,32 @@ async def test_contended_mutex_acquisitions_waits_holds_and_handoffs(
 
     stats = mutex.statistics()
     assert (stats.acquisitions, stats.handoffs, stats.timeouts, stats.leases_lost) == (5, 4, 0, 0)
+
+
+async def test_local_handoffs_of_a_cohort_are_counted_apart(
+    telemetry: Telemetry, client: redis.asyncio.Redis
+) -> None:
+    mutex = RedisMutex(client, "cohort", ttl=5, local_handoff=8)
+    assert await mutex.acquire()
+
+    async def cycle() -> None:
+        async with mutex:
+            pass
+
+    started = [asyncio.create_task(cycle()) for _ in range(4)]
+    await asyncio.sleep(0)  # each has queued in the cohort: no Redis state to wait for
+    assert mutex.statistics().tasks_waiting == 4
+    await mutex.release()  # passes the lease on, task to task, without Redis
+    await asyncio.wait_for(asyncio.gather(*started), 5.0)
+
+    assert telemetry.count("aiolocks.handoffs", aiolocks_handoff_local=True) == 4
+    assert telemetry.count("aiolocks.handoffs", aiolocks_handoff_local=False) == 0
+    assert telemetry.count("aiolocks.acquire.wait", aiolocks_acquire_outcome="acquired") == 5
+    assert telemetry.count("aiolocks.hold.duration", aiolocks_lock_name="cohort") == 5
+    fences = [_attributes(s)["aiolocks.fence"] for s in telemetry.spans("aiolocks.acquire mutex")]
+    assert len(set(fences)) == 5
+    assert len(telemetry.spans("aiolocks.hold mutex")) == 5
+    assert (mutex.statistics().acquisitions, mutex.statistics().handoffs) == (5, 4)
 
 
 async def test_timeouts_are_counted_and_a_refused_try_is_not_one(

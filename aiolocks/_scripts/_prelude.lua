@@ -97,10 +97,23 @@ local function note_grant(grants, token, fence, ttl)
   grants[#grants + 1] = tonumber(ttl)
 end
 
+-- Fence blocks: a token ending in "+<k>" is a local hand-off cohort's (see _cohort.py); its
+-- grant reserves k consecutive fences at once and holds the first, and the process hands the
+-- others to its own tasks without a round trip. Any other token reserves one.
+local function fence_block(token)
+  return tonumber(string.match(token, '%+(%d+)$')) or 1
+end
+
+-- Count a grant of `token`: returns the first fence of its block.
+local function grant_fence(fence_key, token)
+  local block = fence_block(token)
+  return redis.call('INCRBY', fence_key, block) - block + 1
+end
+
 -- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash.
 local function hold_in_set(holders, fences, fence_key, token, ttl, now)
   redis.call('ZADD', holders, now + tonumber(ttl), token)
-  local fence = redis.call('INCR', fence_key)
+  local fence = grant_fence(fence_key, token)
   redis.call('HSET', fences, token, fence)
   return fence
 end

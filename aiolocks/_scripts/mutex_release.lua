@@ -2,13 +2,16 @@
 -- Also the cancellation clean-up: whatever state the token reached, it leaves none.
 -- KEYS[1] owner  KEYS[2] queue  KEYS[3] waiters  KEYS[4] fence
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] channel
+-- ARGV[3] 'keep' (optional, a local hand-off cohort with tasks still waiting): when nobody
+--         waits in the queue, keep holding instead, with a fresh lease and fence block.
 -- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
--- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head.
+-- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head,
+-- {2, fence} kept ('keep' only): still held, renewed, and `fence` starts its new block.
 check_keys({'string', 'list', 'zset', 'counter'})
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local member, channel = ARGV[1], ARGV[2]
-local token, _, tag = split_member(member)
+local member, channel, keep = ARGV[1], ARGV[2], ARGV[3] == 'keep'
+local token, ttl, tag = split_member(member)
 
 dequeue(queue, waiters, member)
 local current = redis.call('GET', owner)
@@ -19,21 +22,21 @@ elseif current then
   return {0}
 end
 
+if redis.call('LLEN', queue) > 0 then
+  purge_dead(queue, waiters, now_ms())
+end
 if redis.call('LLEN', queue) == 0 then
   if status == 1 then
+    if keep then
+      redis.call('PEXPIRE', owner, ttl)
+      return {2, grant_fence(fence_key, token)}
+    end
     redis.call('DEL', owner)
   end
   return {status}
 end
-purge_dead(queue, waiters, now_ms())
 local next_token, next_ttl, next_tag = pop_head(queue, waiters)
-if not next_token then
-  if status == 1 then
-    redis.call('DEL', owner)
-  end
-  return {status}
-end
 redis.call('SET', owner, next_token, 'PX', next_ttl)
-local fence = redis.call('INCR', fence_key)
+local fence = grant_fence(fence_key, next_token)
 announce(channel, next_token, fence, next_ttl, next_tag, tag)
 return {status, next_token, fence, next_ttl}

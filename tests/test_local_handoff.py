@@ -1,0 +1,238 @@
+"""`RedisMutex(local_handoff=N)`: tasks of one process pass the lease among themselves.
+
+Shown here: exclusion and strictly increasing fences from the outside (a history logged on
+the server by every holder), in one process and across four; far fewer script calls than
+acquisitions; a waiter of another client gets in within the bound; a lease lost in the
+middle of a local chain is reported to the holder of the moment, and the tasks waiting
+behind it go on through Redis; cancellation and timeouts of local waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+from _probes import QueueProbe
+from _servers import arun_workers
+from redis.asyncio.cluster import RedisCluster
+
+from aiolocks import LockLost, RedisMutex
+from aiolocks._context import context_for
+from aiolocks.testing import expire_lease
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+import itertools
+
+from _history import HistoryLog, check
+
+WORKER = Path(__file__).resolve().parent / "workers" / "cohort_counter.py"
+
+
+async def run_chain(
+    client: redis.asyncio.Redis, name: str, tasks: int, iterations: int, bound: int
+) -> list[int]:
+    """`tasks` tasks each hold `name` `iterations` times, logging the history; returns the
+    fences in the order the holdings began."""
+    log = HistoryLog(client, name)
+    fences: list[int] = []
+
+    async def hold(task: int) -> None:
+        mutex = RedisMutex(client, name, ttl=10, timeout=30, local_handoff=bound)
+        for _ in range(iterations):
+            async with mutex:
+                fence = mutex.fencing_token
+                assert fence is not None
+                fences.append(fence)
+                started = await log.start()
+                await asyncio.sleep(0)
+                await log.end("x", fence, started, task)
+
+    await asyncio.gather(*(hold(task) for task in range(tasks)))
+    assert check(await log.entries(), counter=await log.counter()) == []
+    return fences
+
+
+async def test_one_process_passes_the_lease_without_round_trips(r: redis.asyncio.Redis) -> None:
+    """16 tasks x 20 holdings with local_handoff=16: exclusive, fences strictly increasing in
+    the order of the holdings, and about one script call per 17 holdings (strict FIFO needs
+    two per holding)."""
+    context = context_for(r)
+    before = context.commands_sent
+    fences = await run_chain(r, "chain", 16, 20, 16)
+    calls = context.commands_sent - before
+    assert len(fences) == 320
+    assert all(a < b for a, b in itertools.pairwise(fences)), fences
+    assert calls <= 320 // 17 + 8, calls  # acquire, a keep per block, the last release
+    assert context.cohorts == {}  # an idle cohort is forgotten
+    info = await RedisMutex(r, "chain").inspect()
+    assert info.owner is None and info.queue_length == 0
+    assert info.fence >= fences[-1]  # the last block may be partly unused
+
+
+async def test_strict_fifo_by_default(r: redis.asyncio.Redis) -> None:
+    """Without local_handoff every holding is a grant from Redis: fences are dense."""
+    fences = await run_chain(r, "strict", 4, 10, 0)
+    assert sorted(fences) == list(range(1, 41))
+
+
+@pytest.mark.slow
+async def test_four_processes_of_sixteen_tasks(r: redis.asyncio.Redis, url: str) -> None:
+    """4 processes x 16 tasks x 10 holdings with local_handoff=16: no two holdings overlap,
+    no update is lost, fences increase in time order across processes, and each process
+    sent far fewer script calls than it made acquisitions."""
+    name, workers, tasks, iterations = "cohort4", 4, 16, 10
+    results = await arun_workers(
+        str(WORKER),
+        [
+            [url, name, str(i), str(workers), str(tasks), str(iterations), "16", "10", "60"]
+            for i in range(workers)
+        ],
+        timeout=90,
+    )
+    calls = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        [done] = [line.split() for line in result.stdout.splitlines() if line.startswith("done")]
+        assert int(done[2]) == tasks * iterations
+        calls.append(int(done[3]))
+    entries = await HistoryLog(r, name).entries()
+    assert len(entries) == workers * tasks * iterations
+    assert check(entries, counter=await HistoryLog(r, name).counter()) == []
+    by_start = sorted(entries, key=lambda entry: entry.start)
+    assert all(a.fence < b.fence for a, b in itertools.pairwise(by_start))
+    owners = [entry.who.split(".")[0] for entry in by_start]
+    assert set(owners) == {str(i) for i in range(workers)}
+    # The lease did travel between processes while they all wanted it (not one after another).
+    switches = sum(a != b for a, b in itertools.pairwise(owners))
+    assert switches > workers, switches
+    assert max(calls) < tasks * iterations, calls
+
+
+async def test_a_remote_waiter_gets_in_within_the_bound(url: str) -> None:
+    """A waiter of another client (another process, as far as the lock can tell) queued
+    while eight local tasks keep passing the lock around gets it after at most `bound`
+    more local holdings."""
+    bound = 4
+    local = redis.asyncio.Redis.from_url(url)
+    remote = redis.asyncio.Redis.from_url(url)
+    probe = QueueProbe(remote)
+    stop = asyncio.Event()
+    started = asyncio.Event()
+    after_queued: list[int] = []  # fences of local holdings begun once the remote queued
+    try:
+
+        async def spin() -> None:
+            mutex = RedisMutex(local, "bounded", ttl=10, local_handoff=bound)
+            while not stop.is_set():
+                async with mutex:
+                    started.set()
+                    if probe.queued:
+                        after_queued.append(mutex.fencing_token or 0)
+                    await asyncio.sleep(0)
+
+        spinners = [asyncio.create_task(spin()) for _ in range(8)]
+        await asyncio.wait_for(started.wait(), 10)
+        mutex = RedisMutex(remote, "bounded", ttl=10)
+        assert await mutex.acquire(timeout=20)
+        remote_fence = mutex.fencing_token
+        stop.set()
+        await mutex.release()
+        await asyncio.wait_for(asyncio.gather(*spinners), 20)
+        assert remote_fence is not None
+        before_remote = [fence for fence in after_queued if fence < remote_fence]
+        assert len(before_remote) <= bound, (before_remote, remote_fence)
+        assert len(probe.queued) == 1
+        assert context_for(local).cohorts == {}
+    finally:
+        await local.aclose()
+        await remote.aclose()
+
+
+async def test_lease_lost_during_a_local_chain(r: redis.asyncio.Redis) -> None:
+    """The lease ends on the server while tasks wait behind the holder: the holder of the
+    moment gets LockLost (its body cancelled), the others acquire anew through Redis with
+    higher fences, and none of them overlapped."""
+    name = "lossy"
+    log = HistoryLog(r, name)
+    victim_in = asyncio.Event()
+    outcomes: list[str] = []
+    fences: list[int] = []
+
+    async def victim() -> None:
+        mutex = RedisMutex(r, name, ttl=5, local_handoff=8)
+        try:
+            async with mutex:
+                fences.append(mutex.fencing_token or 0)
+                victim_in.set()
+                await expire_lease(mutex)
+                outcomes.append("body went on")  # the loss must cancel the body
+        except LockLost:
+            outcomes.append("lost")
+
+    async def follower(index: int) -> None:
+        mutex = RedisMutex(r, name, ttl=5, timeout=20, local_handoff=8)
+        async with mutex:
+            fence = mutex.fencing_token
+            assert fence is not None
+            fences.append(fence)
+            started = await log.start()
+            await asyncio.sleep(0)
+            await log.end("x", fence, started, index)
+
+    holder = asyncio.create_task(victim())
+    await asyncio.wait_for(victim_in.wait(), 10)
+    followers = [asyncio.create_task(follower(i)) for i in range(6)]
+    await asyncio.sleep(0)  # they queue locally behind the victim
+    await asyncio.wait_for(holder, 20)
+    await asyncio.wait_for(asyncio.gather(*followers), 20)
+    assert outcomes == ["lost"]
+    assert len(fences) == 7 and fences[0] < min(fences[1:])
+    assert len(set(fences)) == 7
+    assert check(await log.entries(), counter=await log.counter()) == []
+    assert context_for(r).cohorts == {}
+    assert (await RedisMutex(r, name).inspect()).owner is None
+
+
+async def test_local_waiters_time_out_and_cancel_cleanly(r: redis.asyncio.Redis) -> None:
+    """Local waiters that time out or are cancelled leave the chain intact; one cancelled
+    just after it was handed the lock passes it on."""
+    name = "patience"
+    holder = RedisMutex(r, name, ttl=10, local_handoff=4)
+    assert await holder.acquire()
+    impatient = RedisMutex(r, name, ttl=10, local_handoff=4)
+    assert await impatient.acquire(timeout=0.05) is False
+    assert await impatient.acquire(blocking=False) is False
+
+    locks = [RedisMutex(r, name, ttl=10, local_handoff=4) for _ in range(3)]
+    waiting = [asyncio.create_task(lock.acquire()) for lock in locks]
+    await asyncio.sleep(0)
+    waiting[0].cancel()  # still waiting: simply leaves
+    await asyncio.gather(waiting[0], return_exceptions=True)
+    await holder.release()  # handed to waiting[1] locally...
+    waiting[1].cancel()  # ...which is cancelled before it ran: it hands on to waiting[2]
+    [outcome] = await asyncio.gather(waiting[1], return_exceptions=True)
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert await asyncio.wait_for(waiting[2], 10) is True
+    assert not locks[1].statistics().held_here
+    assert (await RedisMutex(r, name).inspect()).owner is not None
+    await locks[2].release()  # adopts the finished task's holding
+    assert (await RedisMutex(r, name).inspect()).owner is None
+    assert context_for(r).cohorts == {}
+
+
+async def test_local_handoff_is_validated(r: redis.asyncio.Redis) -> None:
+    for bad, error in ((True, TypeError), (1.5, TypeError), (-1, ValueError), (10**6, ValueError)):
+        with pytest.raises(error, match="local_handoff"):
+            RedisMutex(r, "v", local_handoff=bad)  # type: ignore[arg-type]
+
+
+async def test_on_a_cluster(cluster_r: RedisCluster) -> None:
+    """The same chain on a 3-node cluster: exclusive, fences increasing, few script calls."""
+    context = context_for(cluster_r)
+    before = context.commands_sent
+    fences = await run_chain(cluster_r, "chain-on-cluster", 8, 10, 8)  # type: ignore[arg-type]
+    assert all(a < b for a, b in itertools.pairwise(fences)), fences
+    assert context.commands_sent - before <= 80 // 9 + 8
