@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit, urlunsplit
@@ -42,6 +43,12 @@ def redacted(url: str) -> str:
 
 
 def _reason(exc: BaseException) -> str:
+    """One line on why: the OS's words for a socket error redis-py wrapped, else its own."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, socket.gaierror):
+        return f"cannot resolve the host name ({cause.strerror})"
+    if isinstance(cause, OSError) and cause.errno:
+        return os.strerror(cause.errno)
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
 
