@@ -4,7 +4,6 @@ loop) and as the installed script, against the suite's real servers."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import pty
@@ -12,47 +11,21 @@ import socket
 import sys
 import sysconfig
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio
+from _cli import cli
 from _probes import QueueProbe
 from _web import ONE_SERVER
 from conftest import VARIANTS, Tasks
 
 from aiolocks import LockLost, RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
-from aiolocks.cli import _bench, main
+from aiolocks.cli import _bench
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]  # no keyspace events
-
-
-@dataclass
-class Ran:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-class _Terminal(io.StringIO):
-    """Typed answers on what the CLI takes for a terminal."""
-
-    def isatty(self) -> bool:
-        return True
-
-
-async def cli(*argv: str, answer: str | None = None, stdin: str = "") -> Ran:
-    """Run `aiolocks argv...` in-process (its own thread and event loop); `answer` is typed
-    at a terminal, `stdin` piped."""
-    out, err = io.StringIO(), io.StringIO()
-    typed = io.StringIO(stdin) if answer is None else _Terminal(answer)
-    code = await asyncio.to_thread(main, list(argv), stdin=typed, stdout=out, stderr=err)
-    return Ran(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         paths = [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]  # the same aiolocks as ours
         env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         shown = [redacted(part) for part in command]
-        io.say(f"$ {' '.join(shown)}")
+        io.say(f"running {' '.join(shown)}")
         status = await _relay(command, env, io)
         if args.json is None and status == 0:
             io.say("(its JSON went to a temporary file: pass --json PATH to keep it)")

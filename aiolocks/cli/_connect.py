@@ -26,6 +26,8 @@ DEFAULT_URL = "redis://localhost:6379"
 DEFAULT_CONNECT_TIMEOUT = 2.0
 # A command (not the connection) that takes longer than this means a stalled server.
 _COMMAND_TIMEOUT = 10.0
+# The server answered, with an error: a wrong password, a command the ACL denies.
+_REFUSALS = (redis.exceptions.ResponseError, redis.exceptions.AuthenticationError)
 
 
 def server_url(given: str | None) -> str:
@@ -72,6 +74,8 @@ async def connected(url: str, connect_timeout: float) -> AsyncIterator[redis.asy
             raise Unreachable(
                 f"cannot reach {shown}: no answer within {connect_timeout:g} s (--connect-timeout)"
             ) from None
+        except _REFUSALS as exc:  # reached, but it will not serve us
+            raise Refused(f"the server at {shown} refused: {_reason(exc)}") from None
         except (redis.exceptions.RedisError, OSError) as exc:
             raise Unreachable(f"cannot reach {shown}: {_reason(exc)}") from None
         try:
@@ -88,8 +92,8 @@ async def connected(url: str, connect_timeout: float) -> AsyncIterator[redis.asy
 
 
 def _translate(exc: BaseException, shown: str) -> Exception:
-    if isinstance(exc, redis.exceptions.ResponseError):
-        if str(exc).startswith("MOVED"):
+    if isinstance(exc, _REFUSALS):
+        if isinstance(exc, redis.exceptions.MovedError) or str(exc).startswith("MOVED"):
             return Refused(
                 f"{shown} is a Redis Cluster node: the CLI works with a single server only"
             )

@@ -49,8 +49,8 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
             missed += not await _release(client, view, holder, io)
     if missed < len(targets):
         io.say(
-            "the old holder learns it at its next renewal (within a third of its ttl) "
-            "or at its release(): LockLost"
+            "a holder released this way gets LockLost at its next renewal "
+            "(within a third of its ttl) or release()"
         )
     return 1 if missed else 0
 

@@ -7,9 +7,10 @@ import re
 from dataclasses import dataclass
 
 import redis.asyncio
+import redis.exceptions
 
 from .._keys import KeySpace, validate_name
-from ._errors import NotFound, UsageError
+from ._errors import NotFound, Refused, UsageError
 
 __all__ = ["KINDS", "PARTS", "Found", "kinds_of", "resolve_kind", "scan", "scan_pattern"]
 
@@ -60,7 +61,14 @@ def _parse(prefix: str, key: bytes) -> Found | None:
 async def scan(
     client: redis.asyncio.Redis, prefix: str, kind: str | None, pattern: str | None, count: int
 ) -> list[Found]:
-    """Every primitive with a key matching, one entry each, sorted."""
+    """Every primitive with a key matching, one entry each, sorted. Refused on a Cluster
+    node, whose SCAN sees only its own slots."""
+    try:
+        cluster = (await client.info("cluster")).get("cluster_enabled")
+    except redis.exceptions.ResponseError:  # INFO denied (a least-privilege user)
+        cluster = None
+    if cluster:
+        raise Refused("the server is a Redis Cluster node: list works with a single server only")
     found: set[Found] = set()
     match = scan_pattern(prefix, kind, pattern)
     async for key in client.scan_iter(match=match, count=count):

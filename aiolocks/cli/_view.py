@@ -192,10 +192,11 @@ def _owner(token: Any, pttl: Any, fence: Any, side: str) -> tuple[Holder, ...]:
 
 def _leases(deadlines: Any, fences: Any, now: int, side: str) -> tuple[Holder, ...]:
     by_token = {_text(token): int(fence) for token, fence in dict(fences).items()}
-    return tuple(
+    holders = [
         Holder(_text(token), side, by_token.get(_text(token)), int(deadline) - now)
         for token, deadline in deadlines
-    )
+    ]
+    return tuple(sorted(holders, key=lambda holder: holder.fence or 0))  # oldest grant first
 
 
 def _queue(members: list[Any], deadlines: dict[Any, float], now: int) -> tuple[Waiter, ...]:
