@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import pty
+import re
 import socket
 import sys
 import sysconfig
@@ -18,6 +19,7 @@ import pytest
 import redis.asyncio
 from _cli import cli
 from _probes import QueueProbe
+from _servers import ServerProcess
 from _web import ONE_SERVER
 from conftest import VARIANTS, Tasks
 
@@ -25,6 +27,7 @@ from aiolocks import LockLost, RedisMutex, RedisReadWriteLock, RedisRegistry, Re
 from aiolocks.cli import _bench
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "cli.md"
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]  # no keyspace events
 
 
@@ -283,6 +286,35 @@ async def test_release_asks_first_and_refuses_without_a_terminal(
 
 
 # -- errors and options --------------------------------------------------------------------
+
+
+async def test_a_least_privilege_user_with_the_documented_additions(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"<!-- acl -->\s*```text\n(.+?)\n```", readme, re.S)
+    extra = re.search(r"least-privilege user in the README:\n`([^`]+)`", DOCS.read_text())
+    assert line is not None and extra is not None
+    server = server_factory()
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        for name, additions in (("cli", extra[1]), ("plain", "")):
+            command = line[1].replace("aiolocks on", f"{name} on") + " " + additions
+            await admin.execute_command(*command.split())  # type: ignore[no-untyped-call]
+        holder = RedisMutex(admin, "orders:42")
+        assert await holder.acquire()
+        cli_url = f"redis://cli:CHANGE-ME@127.0.0.1:{server.port}"
+        listed = await cli("list", "--url", cli_url, "--json")
+        assert [row["state"] for row in listed.json()] == ["held"], listed.err
+        assert (await cli("inspect", "orders:42", "--url", cli_url)).code == 0
+        released = await cli("release", "orders:42", "--force", "--yes", "--url", cli_url)
+        assert released.code == 0, released.err
+        denied = await cli("list", "--url", f"redis://plain:CHANGE-ME@127.0.0.1:{server.port}")
+        assert denied.code == 1 and "refused: User plain has no permissions" in denied.err
+        with pytest.raises(LockLost):
+            await holder.release()
+    finally:
+        await admin.aclose()
 
 
 async def test_an_unreachable_server_is_one_line_and_exit_3() -> None:
