@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="one lock: kind, holders (token, fence, lease left), queue with ages",
         description="Show one primitive: its kind, state, holders (token, fence, lease "
         "left) and its queue in order. The server keeps no time of entry for a waiter: "
-        "'heartbeat' is the time since it last proved alive (every ttl/3), on the server's "
-        "clock; a waiter past its deadline is shown dead (the next script purges it).",
+        "'seen' is the time since its last heartbeat (every ttl/3), on the server's clock; "
+        "a waiter past its deadline is shown dead (the next script purges it).",
     )
     inspect.add_argument("name", type=_name, metavar="NAME")
     inspect.add_argument("--kind", choices=KINDS, help=kind_help)
