@@ -44,7 +44,11 @@ def main(
 ) -> int:
     """Run the `aiolocks` command line with `argv` (default: `sys.argv[1:]`); return the
     exit status. The streams default to the process's own."""
-    io = Streams(stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
+    io = Streams(
+        sys.stdin if stdin is None else stdin,
+        sys.stdout if stdout is None else stdout,
+        sys.stderr if stderr is None else stderr,
+    )
     try:
         with contextlib.redirect_stdout(io.stdout), contextlib.redirect_stderr(io.stderr):
             args = build_parser().parse_args(argv)
