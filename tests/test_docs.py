@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from _servers import ServerProcess
 
 import aiolocks
-from _servers import ServerProcess
 from aiolocks import RedisMutex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +81,10 @@ def fenced_blocks(page: Path, text: str) -> Iterator[Block]:
             end += 1
         if end == len(lines):
             raise AssertionError(f"{page}:{index + 1}: a fenced block is never closed")
-        body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[index + 1 : end]]
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line
+            for line in lines[index + 1 : end]
+        ]
         language = opening["info"].split(maxsplit=1)[0].lower() if opening["info"].strip() else ""
         yield Block(page, index + 1, language, "\n".join(body) + "\n" if body else "")
         index = end + 1
@@ -226,13 +229,24 @@ class Databases:
                 self._changed.notify_all()
 
 
+@contextmanager
+def _flushed(url: str) -> Iterator[str]:
+    """`url`'s database, emptied before and after (other tests use database 0 too)."""
+    with redis.Redis.from_url(url) as admin:
+        admin.flushdb()
+        try:
+            yield url
+        finally:
+            admin.flushdb()
+
+
 def _run(snippet: Snippet, base_url: str, databases: Databases, tmp: Path) -> str | None:
     """Run one snippet on a database of its own; None if it behaved, else what went wrong."""
     check_runnable(snippet)
-    with databases.lend(zero="ACL SETUSER" in snippet.block.code) as db:
-        url = f"{base_url}/{db}"
-        with redis.Redis.from_url(url) as admin:
-            admin.flushdb()
+    with (
+        databases.lend(zero="ACL SETUSER" in snippet.block.code) as db,
+        _flushed(f"{base_url}/{db}") as url,
+    ):
         code = snippet.block.code.replace(LOCAL_URL, url)
         script = tmp / (re.sub(r"\W", "_", snippet.where) + ".py")
         script.write_text(code)
@@ -355,4 +369,3 @@ def test_the_security_page_shows_the_readme_acl_line() -> None:
             if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "ACL_LINE":
                 applied.append(ast.literal_eval(node.value))
     assert applied == [line], "keep the ACL_LINE of docs/security.md's snippet = README's"
-

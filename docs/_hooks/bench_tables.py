@@ -81,8 +81,8 @@ def _table(header: Row, rows: Iterable[Row]) -> str:
 
 def _machine(data: dict[str, Any]) -> str:
     machine = data.get("machine", {})
-    load = machine.get("loadavg_1_5_15") or machine.get("loadavg") or machine.get(
-        "loadavg_at_start"
+    load = (
+        machine.get("loadavg_1_5_15") or machine.get("loadavg") or machine.get("loadavg_at_start")
     )
     parts = [f"{machine.get('nproc', '?')} CPUs"]
     if machine.get("cpu_model"):
@@ -140,6 +140,7 @@ def _peers(data: dict[str, Any]) -> str:
                 else "-",
             )
         )
+
     def _scale(scale: dict[str, Any]) -> str:
         served, waiters = scale.get("served"), scale.get("waiters")
         if served is None:
@@ -191,7 +192,14 @@ def _peers(data: dict[str, Any]) -> str:
             "commands sent per acquisition, and re-grabs (the releasing task taking the lock "
             "straight back):",
             _table(
-                ("library", "wait p50 ms", "wait p99 ms", "wait max ms", "commands/acq", "re-grabs"),
+                (
+                    "library",
+                    "wait p50 ms",
+                    "wait p99 ms",
+                    "wait max ms",
+                    "commands/acq",
+                    "re-grabs",
+                ),
                 waits,
             ),
             f"**Waiting, hand-off, crash, scale**: commands per waiter over a whole wait of "
@@ -258,7 +266,9 @@ def _registry(data: dict[str, Any]) -> str:
             _machine(data),
             _table(("row", "names", "names/s", "commands", "names/command"), speed),
             "The same 2,000 names registered by 16 concurrent tasks, each in its own order:",
-            _table(("row", "calls", "names given 2+ ids", "ids burned", "ids exactly 1..n"), doubles),
+            _table(
+                ("row", "calls", "names given 2+ ids", "ids burned", "ids exactly 1..n"), doubles
+            ),
         ]
     )
 
