@@ -334,6 +334,9 @@ def test_the_api_reference_comes_from_the_docstrings(site: Path) -> None:
     for member in (RedisMutex.acquire, RedisMutex.release, RedisMutex.inspect):
         first_line = (inspect.getdoc(member) or "").splitlines()[0]
         assert first_line.split("`")[0] in mutex, member.__qualname__
+    # A code example in a docstring would be shown but never run: examples live in the
+    # guides' python blocks. (Signatures are `doc-signature highlight` blocks.)
+    assert '<div class="highlight"' not in reference, "a docstring shows a code example"
     testing = (site / "reference" / "testing" / "index.html").read_text()
     assert 'id="aiolocks.testing.expire_lease"' in testing
     integrations = (site / "reference" / "integrations" / "index.html").read_text()
