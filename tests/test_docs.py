@@ -106,7 +106,7 @@ def page_snippets(page: Path, text: str) -> list[Snippet]:
         expected = None
         following = blocks[position + 1] if position + 1 < len(blocks) else None
         if following is not None and following.language == "text":
-            closed_at = _closing_line(lines, block)
+            closed_at = _closing_line(block)
             between = lines[closed_at + 1 : following.line - 1]
             if all(not line.strip() for line in between):
                 expected = following.code
@@ -114,7 +114,7 @@ def page_snippets(page: Path, text: str) -> list[Snippet]:
     return found
 
 
-def _closing_line(lines: list[str], block: Block) -> int:
+def _closing_line(block: Block) -> int:
     """Index (0-based) of the line that closes `block`."""
     return block.line + block.code.count("\n")
 
@@ -199,7 +199,7 @@ def test_every_page_snippet_is_found() -> None:
     """The parser finds every ```python fence a plain text search finds (nothing hides)."""
     for page in docs_pages():
         text = page.read_text()
-        fences = len(re.findall(r"^[ \t]*```(?:python|py|python3)[ \t]*$", text, flags=re.M))
+        fences = len(re.findall(r"^[ \t]*(?:`{3,}|~{3,})[ \t]*(?:python|py|python3)\b", text, re.M))
         assert len(page_snippets(page, text)) == fences, page
 
 
