@@ -48,6 +48,18 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site into site/ (`mkdocs build --strict`), or serve it with live
+    reload: `nox -s docs -- serve`. Other arguments go to `mkdocs build`."""
+    session.install("-e", ".[docs]")
+    quiet = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's notice about its successor
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:], env=quiet)
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs, env=quiet)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The multi-process counter demo (an embedded Valkey unless REDIS_URL is set)."""
     session.install("-e", ".[server]")

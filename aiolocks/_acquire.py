@@ -306,18 +306,21 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
 
 async def completed(awaitable: Awaitable[T]) -> T:
     """Await `awaitable` (in a task of its own) to the end even if the caller is cancelled
-    meanwhile; that cancellation is re-raised once it is done, and wins over its outcome."""
+    meanwhile; that cancellation is re-raised once it is done, and wins over its outcome.
+    The caller's own CancelledError is re-raised, so that an anyio scope knows it as its own.
+    """
     task = asyncio.ensure_future(awaitable)
-    cancelled = False
+    cancellation: asyncio.CancelledError | None = None
     while not task.done():
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = cancelled or not task.cancelled()  # never swallow the caller's
+        except asyncio.CancelledError as caught:
+            if not task.cancelled() and cancellation is None:
+                cancellation = caught  # the caller's: never swallowed
         except BaseException:
             break  # the task's own error: result() raises it below
-    if cancelled:
+    if cancellation is not None:
         if not task.cancelled():
             task.exception()  # retrieved: the cancellation is what the caller gets
-        raise asyncio.CancelledError
+        raise cancellation
     return task.result()

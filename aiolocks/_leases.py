@@ -180,8 +180,13 @@ class LeaseKeeper:
         bound = min((lease.valid_until for lease in self._leases), default=now + 5.0) - now
         bound = min([bound, *(lease.ttl / 3 for lease in leases)])
         sent_at = time.monotonic()
+        # If the keeper is cancelled (the loop shutting down) while the call ignores its own
+        # cancellation (redis-py can, mid-read), wait_for leaves the call's later error
+        # unread: read it here, so it is never logged as "never retrieved".
+        call = asyncio.ensure_future(self._context.pipeline(calls))
+        call.add_done_callback(_read_outcome)
         try:
-            results = await asyncio.wait_for(self._context.pipeline(calls), max(bound, _RETRY_MIN))
+            results = await asyncio.wait_for(call, max(bound, _RETRY_MIN))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -249,6 +254,11 @@ def cancelling() -> bool:
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
     return bool(cancelling()) if cancelling is not None else False
+
+
+def _read_outcome(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

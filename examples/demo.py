@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from aiolocks import LockError, RedisMutex
 from aiolocks._embedded import start_embedded_server
+from aiolocks.cli._connect import redacted
 
 SCRIPT = str(Path(__file__).resolve())  # workers run this same file
 LOCK_NAME = "counter"
@@ -270,14 +270,6 @@ async def demo(url: str, workers: int, iterations: int, race: bool, race_iterati
         finally:
             await client.aclose()
     return 0 if ok else 1
-
-
-def redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def positive(text: str) -> int:

@@ -1,0 +1,7 @@
+"""`python -m aiolocks.cli`: the same as the `aiolocks` script."""
+
+import sys
+
+from ._main import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""`main(argv)`: parse, run the command, turn every expected failure into one line on stderr
+and an exit status (0 ok, 1 not found or refused, 2 usage, 3 server unreachable)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TextIO
+
+from ._errors import CliError
+from ._io import Streams
+from ._parser import build_parser
+
+__all__ = ["main"]
+
+Command = Callable[[argparse.Namespace, Streams], Coroutine[Any, Any, int]]
+
+
+# Each command's module, imported on use: `--help` needs none, `bench` no Redis client.
+_MODULES = {
+    "inspect": "_inspect",
+    "list": "_list",
+    "release": "_release",
+    "demo": "_demo",
+    "bench": "_bench",
+}
+
+
+def _command(name: str) -> Command:
+    run: Command = importlib.import_module(f"{__package__}.{_MODULES[name]}").run
+    return run
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run the `aiolocks` command line with `argv` (default: `sys.argv[1:]`); return the
+    exit status. The streams default to the process's own."""
+    io = Streams(
+        sys.stdin if stdin is None else stdin,
+        sys.stdout if stdout is None else stdout,
+        sys.stderr if stderr is None else stderr,
+    )
+    try:
+        with contextlib.redirect_stdout(io.stdout), contextlib.redirect_stderr(io.stderr):
+            args = build_parser().parse_args(argv)
+    except SystemExit as exit:  # --help, --version, or a usage error argparse explained
+        return exit.code if isinstance(exit.code, int) else 2
+    try:
+        return asyncio.run(_command(args.command)(args, io))
+    except CliError as error:
+        print(f"aiolocks: {error}", file=io.stderr, flush=True)
+        return error.status
+    except KeyboardInterrupt:
+        print("aiolocks: interrupted", file=io.stderr, flush=True)
+        return 130

@@ -1,0 +1,198 @@
+"""The command line's grammar (argparse): commands, options, help text."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .. import __version__
+from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from ._connect import DEFAULT_CONNECT_TIMEOUT, DEFAULT_URL
+from ._scan import KINDS
+
+__all__ = ["build_parser"]
+
+_DESCRIPTION = """\
+Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
+(SCAN, never KEYS), force-release a stuck one (its waiters are woken), run the demo or the
+benchmarks. Works with a single server (or a Sentinel-managed primary by its address), not
+a Redis Cluster.
+
+exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable
+"""
+
+
+def _name(text: str) -> str:
+    try:
+        return validate_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prefix(text: str) -> str:
+    try:
+        return validate_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _server_options(url_help: str) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help=url_help)
+    common.add_argument(
+        "--connect-timeout",
+        type=_seconds,
+        default=DEFAULT_CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="give up on an unreachable server after this long "
+        f"(default {DEFAULT_CONNECT_TIMEOUT:g})",
+    )
+    return common
+
+
+def _lock_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--prefix",
+        type=_prefix,
+        default=DEFAULT_PREFIX,
+        help=f"the key prefix the locks were made with (default {DEFAULT_PREFIX!r})",
+    )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiolocks",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"aiolocks {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    server = _server_options(f"server URL (default: $REDIS_URL, else {DEFAULT_URL})")
+    lock = _lock_options()
+    kind_help = "the kind of primitive, when the name exists as several (default: detected)"
+
+    inspect = commands.add_parser(
+        "inspect",
+        parents=[server, lock],
+        help="one lock: kind, holders (token, fence, lease left), queue with ages",
+        description="Show one primitive: its kind, state, holders (token, fence, lease "
+        "left) and its queue in order. The server keeps no time of entry for a waiter: "
+        "'seen' is the time since its last heartbeat (every ttl/3), on the server's clock; "
+        "a waiter past its deadline is shown dead (the next script purges it).",
+    )
+    inspect.add_argument("name", type=_name, metavar="NAME")
+    inspect.add_argument("--kind", choices=KINDS, help=kind_help)
+    inspect.add_argument("--json", action="store_true", help="print JSON (no rich needed)")
+
+    listing = commands.add_parser(
+        "list",
+        parents=[server, lock],
+        help="every lock under the prefix, one row each (SCAN, never KEYS)",
+        description="List the primitives under the prefix: SCAN with MATCH and COUNT, "
+        "grouped into one row per primitive. Safe on a busy server; a key made or removed "
+        "during the scan may or may not show.",
+    )
+    listing.add_argument(
+        "pattern", nargs="?", metavar="PATTERN", help="a glob over names, e.g. 'orders:*'"
+    )
+    listing.add_argument("--kind", choices=KINDS, help="only this kind")
+    listing.add_argument(
+        "--count", type=_positive, default=1000, help="SCAN's COUNT hint per call (default 1000)"
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON (no rich needed)")
+
+    release = commands.add_parser(
+        "release",
+        parents=[server, lock],
+        help="force-release a lock and hand it to the next waiter",
+        description="Take a lock away from its holder(s) and hand it on the normal way: "
+        "the next queued waiters get it, the fence rises, and they are woken at once. The "
+        "old holder gets LockLost at its next renewal or release. Asks first (on a "
+        "terminal) unless --yes.",
+    )
+    release.add_argument("name", type=_name, metavar="NAME")
+    release.add_argument("--force", action="store_true", help="required: yes, take it away")
+    release.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="release only the holder whose token starts with this (default: every holder)",
+    )
+    release.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    release.add_argument("--kind", choices=KINDS[:-1], help=kind_help)
+
+    demo = commands.add_parser(
+        "demo",
+        parents=[
+            _server_options(
+                "run against this server (default: $REDIS_URL, else an embedded Valkey "
+                "from aiolocks[server])"
+            )
+        ],
+        help="worker processes incrementing a counter under one RedisMutex, shown live",
+        description="The README's demo: worker processes increment a shared counter, first "
+        "without a lock (updates are lost), then under one RedisMutex, with a live table of "
+        "the holder, the queue, hand-offs and fences read from the server. Exits 1 if an "
+        "update is lost under the lock.",
+    )
+    demo.add_argument("--workers", type=_positive, default=4, help="processes (default 4)")
+    demo.add_argument(
+        "--iterations", type=_positive, default=25, help="increments per worker (default 25)"
+    )
+    demo.add_argument(
+        "--hold",
+        type=_seconds,
+        default=0.05,
+        metavar="SECONDS",
+        help="how long each holder keeps the lock, to watch the queue (default 0.05)",
+    )
+    demo.add_argument(
+        "--show-race",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run the workers without the lock (default on)",
+    )
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark from benchmarks/ (needs a source checkout)",
+        description="Run one of the benchmarks of the source checkout (benchmarks/ is not "
+        "installed with the package): quick by default, on its own embedded Valkey, its JSON "
+        "written to a temporary file unless --json.",
+    )
+    bench.add_argument(
+        "which",
+        nargs="?",
+        default="mutex",
+        choices=("mutex", "primitives", "peers"),
+        help="bench_<which>.py (default mutex)",
+    )
+    bench.add_argument("--full", action="store_true", help="the full run instead of --quick")
+    bench.add_argument("--json", metavar="PATH", help="where the benchmark writes its JSON")
+    bench.add_argument(
+        "--url",
+        help="benchmark this server instead of an embedded one: it is FLUSHALLed (asks first)",
+    )
+    bench.add_argument("--yes", "-y", action="store_true", help="do not ask before FLUSHALL")
+    return parser

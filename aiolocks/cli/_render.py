@@ -1,0 +1,138 @@
+"""Rich tables for `inspect`, `list` and the demo (import only after `require("rich", ...)`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TextIO
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+
+from ..mutex import MutexInfo
+from ..rwlock import RWLockInfo
+from ..semaphore import SemaphoreInfo
+from ._view import SHORT_TOKEN, Info, View, state_of
+
+__all__ = ["console", "duration", "list_table", "view_tables"]
+
+_SIDES = {"x": "", "r": "read", "w": "write"}
+
+
+def console(out: TextIO) -> Console:
+    """A console on `out`: colours and live updates only when it is a terminal."""
+    return Console(file=out, highlight=False, soft_wrap=False)
+
+
+def duration(ms: int | None) -> str:
+    """`ms` for people: "350 ms", "28.1 s", "ended" (<= 0), "-" (unknown)."""
+    if ms is None:
+        return "-"
+    if ms <= 0:
+        return "ended"
+    return f"{ms} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
+def _facts(info: Info) -> list[tuple[str, str]]:
+    if isinstance(info, MutexInfo):
+        return [("queue", f"{info.queue_length} waiting"), ("fence", str(info.fence))]
+    if isinstance(info, SemaphoreInfo):
+        limit = "not stored" if info.limit is None else str(info.limit)
+        return [
+            ("limit", limit),
+            ("holders", str(info.holders)),
+            ("queue", f"{info.queue_length} waiting"),
+            ("fence", str(info.fence)),
+        ]
+    if isinstance(info, RWLockInfo):
+        return [
+            ("readers", str(info.readers)),
+            ("queue", f"{info.queue_length} waiting"),
+            ("fence", str(info.fence)),
+        ]
+    return [("names", str(info.names))]
+
+
+def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableType:
+    """The summary, the holders and the queue of one primitive. `labels` names tokens and
+    client tags (the demo's workers)."""
+    labels = labels or {}
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row(view.kind, f"{view.name!r} (prefix {view.prefix!r})")
+    head.add_row("state", view.state)
+    for label, value in _facts(view.info):
+        head.add_row(label, value)
+    parts: list[RenderableType] = [head]
+    if view.kind == "registry":
+        return Group(*parts)
+
+    sided = view.kind == "rwlock"  # the only kind whose holders and waiters differ in side
+    holders = Table(title="holders", title_justify="left")
+    holders.add_column("token", no_wrap=True)
+    if sided:
+        holders.add_column("side")
+    holders.add_column("fence", justify="right")
+    holders.add_column("lease left", justify="right", no_wrap=True)
+    for holder in view.holders:
+        side = [_SIDES.get(holder.side, holder.side)] if sided else []
+        fence = "-" if holder.fence is None else str(holder.fence)
+        holders.add_row(
+            _named(holder.token, labels), *side, fence, duration(holder.lease_remaining_ms)
+        )
+    if not view.holders:
+        holders.add_row("(none)", *[""] * (len(holders.columns) - 1))
+    parts.append(holders)
+
+    queue = Table(title="queue, first served first", title_justify="left")
+    queue.add_column("#", justify="right")
+    queue.add_column("token", no_wrap=True)
+    if sided:
+        queue.add_column("side")
+    queue.add_column("client", no_wrap=True)
+    queue.add_column("seen", justify="right", no_wrap=True)  # its last heartbeat
+    queue.add_column("expires", justify="right", no_wrap=True)
+    for waiter in view.queue:
+        side = [_SIDES.get(waiter.side, waiter.side)] if sided else []
+        seen = waiter.heartbeat_age_ms
+        queue.add_row(
+            str(waiter.position),
+            _named(waiter.token, labels),
+            *side,
+            labels.get(waiter.client_tag, waiter.client_tag),
+            "-" if seen is None else f"{duration(max(seen, 1))} ago",
+            f"in {duration(waiter.expires_in_ms)}" if waiter.live else "dead",
+        )
+    if not view.queue:
+        queue.add_row("", "(empty)", *[""] * (len(queue.columns) - 2))
+    parts.append(queue)
+    return Group(*parts)
+
+
+def _named(token: str, labels: dict[str, str]) -> str:
+    label = labels.get(token)
+    short = token[:SHORT_TOKEN]
+    return short if label is None else f"{short} ({label})"
+
+
+def list_table(rows: Sequence[tuple[str, Info]], match: str) -> Table:
+    """One row per primitive: kind, name, state, holders, queue length, fence."""
+    table = Table(caption=f"{len(rows)} found (SCAN MATCH {match})", caption_justify="left")
+    for column in ("kind", "name", "state"):
+        table.add_column(column)
+    for column in ("holders", "queue", "fence"):
+        table.add_column(column, justify="right")
+    for kind, info in rows:
+        table.add_row(kind, info.name, state_of(info), *_counts(info))
+    return table
+
+
+def _counts(info: Info) -> tuple[str, str, str]:
+    if isinstance(info, MutexInfo):
+        return str(int(info.owner is not None)), str(info.queue_length), str(info.fence)
+    if isinstance(info, SemaphoreInfo):
+        return str(info.holders), str(info.queue_length), str(info.fence)
+    if isinstance(info, RWLockInfo):
+        held = info.readers + int(info.writer is not None)
+        return str(held), str(info.queue_length), str(info.fence)
+    return "-", "-", "-"

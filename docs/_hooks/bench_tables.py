@@ -1,0 +1,364 @@
+"""MkDocs hook: the benchmark page's tables and chart come from `benchmarks/results/`.
+
+A line `<!-- results: NAME -->` in a page becomes tables rendered from
+`benchmarks/results/NAME.json` at build time, and `benchmarks/results/peers.png` is
+published as `assets/peers.png`, so the page always shows the committed run and nothing
+is copied by hand. An unknown NAME, or a results file that is missing, fails the build.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+RESULTS = Path("benchmarks") / "results"
+CHARTS = {"assets/peers.png": "peers.png"}  # published path -> file in RESULTS
+MARKER = re.compile(r"^<!-- results: ([a-z_]+) -->$", re.M)
+
+Row = Sequence[object]
+
+
+def _root(config: MkDocsConfig) -> Path:
+    return Path(config.config_file_path).resolve().parent
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Publish the committed charts beside the pages."""
+    for published, name in CHARTS.items():
+        source = _root(config) / RESULTS / name
+        if not source.is_file():
+            raise PluginError(f"bench_tables: {source} is missing")
+        files.append(File.generated(config, published, abs_src_path=str(source)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Replace every results marker with the tables of that results file."""
+
+    def render(match: re.Match[str]) -> str:
+        name = match.group(1)
+        renderer = RENDERERS.get(name)
+        if renderer is None:
+            known = ", ".join(sorted(RENDERERS))
+            raise PluginError(f"{page.file.src_uri}: no results named {name!r} (known: {known})")
+        path = _root(config) / RESULTS / f"{name}.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise PluginError(f"{page.file.src_uri}: cannot read {path}: {exc}") from exc
+        return renderer(data)
+
+    return MARKER.sub(render, markdown)
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+def _num(value: object, digits: int = 0) -> str:
+    """A figure as the tables show it: thousands separated, `digits` decimals, '-' if none."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _times(value: object) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.2f}x"
+
+
+def _table(header: Row, rows: Iterable[Row]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _machine(data: dict[str, Any]) -> str:
+    machine = data.get("machine", {})
+    load = (
+        machine.get("loadavg_1_5_15") or machine.get("loadavg") or machine.get("loadavg_at_start")
+    )
+    parts = [f"{machine.get('nproc', '?')} CPUs"]
+    if machine.get("cpu_model"):
+        parts.insert(0, str(machine["cpu_model"]))
+    if load:
+        parts.append("load average " + " / ".join(f"{x:.1f}" for x in load))
+    for key in ("python", "redis_py"):
+        if machine.get(key):
+            parts.append(("redis-py " if key == "redis_py" else "") + str(machine[key]))
+    server = data.get("server", {}).get("version")
+    if server:
+        parts.append(str(server))
+    when = data.get("started_at")
+    return ("Run of " + str(when)[:10] + " on " if when else "Run on ") + ", ".join(parts) + "."
+
+
+# -- one renderer per results file -----------------------------------------------------
+
+
+def _peers(data: dict[str, Any]) -> str:
+    labels: dict[str, str] = data["libraries"]
+    results: dict[str, dict[str, Any]] = data["results"]
+
+    def get(workload: str, library: str) -> dict[str, Any]:
+        found: dict[str, Any] = results.get(workload, {}).get(library, {})
+        return found
+
+    def why_not(entry: dict[str, Any]) -> str:
+        return str(entry.get("note") or entry.get("capped") or "-")
+
+    throughput = [
+        (
+            label,
+            _num(get("uncontended", lib).get("cycles_per_s")),
+            _num(get("contended", lib).get("acquisitions_per_s")),
+            _times(get("contended", lib).get("aiolocks_x")),
+            _num(get("processes", lib).get("acquisitions_per_s")),
+            _times(get("processes", lib).get("aiolocks_x")),
+        )
+        for lib, label in labels.items()
+    ]
+    waits = []
+    for lib, label in labels.items():
+        contended = get("contended", lib)
+        wait = contended.get("wait_ms", {})
+        waits.append(
+            (
+                label,
+                _num(wait.get("p50"), 2),
+                _num(wait.get("p99"), 2),
+                _num(wait.get("max"), 2),
+                _num(contended.get("client_commands_per_acquisition"), 2),
+                _num(100 * contended["regrab_share"], 1) + "%"
+                if "regrab_share" in contended
+                else "-",
+            )
+        )
+
+    def _scale(scale: dict[str, Any]) -> str:
+        served, waiters = scale.get("served"), scale.get("waiters")
+        if served is None:
+            return why_not(scale)
+        text = f"{_num(served)} of {_num(waiters)} served"
+        if served == waiters:
+            return f"{text}, drained in {_num(scale.get('drain_s'), 2)} s"
+        errors = [str(error).split("(")[0] for error in scale.get("errors", [])]
+        return "; ".join([text, why_not(scale), *errors[:1]])
+
+    others = []
+    for lib, label in labels.items():
+        waiting, handoff = get("waiting", lib), get("handoff", lib)
+        crash, scale = get("crash", lib), get("scale", lib)
+        halves = waiting.get("client_commands_by_half")
+        latency = handoff.get("latency_ms", {})
+        beyond = crash.get("beyond_lease_ms", {}).get("median")
+        others.append(
+            (
+                label,
+                _num(waiting.get("client_commands_per_waiter_whole_wait"), 2),
+                " then ".join(_num(x) for x in halves) if halves else "-",
+                f"{_num(latency.get('p50'), 2)} ({_times(handoff.get('x_evalsha_rtt'))})"
+                if latency
+                else "-",
+                _num(beyond, 1) if beyond is not None else why_not(crash),
+                _scale(scale),
+            )
+        )
+    plan = data.get("plan", {})
+    return "\n\n".join(
+        [
+            _machine(data),
+            "**Throughput** (acquisitions per second; `aiolocks x` is aiolocks' figure "
+            "divided by the row's):",
+            _table(
+                (
+                    "library",
+                    "uncontended cycles/s",
+                    f"contended, {plan.get('tasks', '?')} tasks",
+                    "aiolocks x",
+                    f"{plan.get('processes', '?')} processes x "
+                    f"{plan.get('tasks_per_process', '?')} tasks",
+                    "aiolocks x",
+                ),
+                throughput,
+            ),
+            "**Contended, one process**: waits (from calling acquire to its return), lock "
+            "commands sent per acquisition, and re-grabs (the releasing task taking the lock "
+            "straight back):",
+            _table(
+                (
+                    "library",
+                    "wait p50 ms",
+                    "wait p99 ms",
+                    "wait max ms",
+                    "commands/acq",
+                    "re-grabs",
+                ),
+                waits,
+            ),
+            f"**Waiting, hand-off, crash, scale**: commands per waiter over a whole wait of "
+            f"{plan.get('waiters', '?')} waiters, and in the two halves of a "
+            f"{plan.get('wait_window_s', '?')} s window; hand-off latency from `release()` in "
+            "one process to `acquire()` returning in another (in round trips of a plain "
+            "`EVALSHA`); how long after a killed holder's lease ended the next waiter held the "
+            "lock; 10,000 waiting tasks over 1,000 names:",
+            _table(
+                (
+                    "library",
+                    "commands/waiter",
+                    "in the window",
+                    "hand-off p50 ms",
+                    "crash: ms after lease end",
+                    "10,000 waiters",
+                ),
+                others,
+            ),
+        ]
+    )
+
+
+def _primitives(data: dict[str, Any]) -> str:
+    rows = [
+        (
+            name,
+            _num(row.get("acquisitions_per_s")),
+            _num(row.get("wait_ms", {}).get("p50"), 2),
+            _num(row.get("wait_ms", {}).get("p99"), 2),
+            _num(row.get("engine_commands_per_acquisition"), 2),
+            _num(row.get("max_concurrency", row.get("max_readers"))),
+        )
+        for name, row in data["results"].items()
+    ]
+    header = ("row", "acquisitions/s", "wait p50 ms", "wait p99 ms", "commands/acq", "most at once")
+    return _machine(data) + "\n\n" + _table(header, rows)
+
+
+def _registry(data: dict[str, Any]) -> str:
+    results = data["results"]
+    speed = [
+        (
+            name,
+            _num(row["names"]),
+            _num(row["registrations_per_s"]),
+            _num(row["client_commands"]),
+            _num(row["names_per_command"], 1),
+        )
+        for name, row in results["throughput"].items()
+    ]
+    doubles = [
+        (
+            name,
+            _num(row["calls"]),
+            _num(row["names_given_several_ids"]),
+            _num(row["burned_counter_values"]),
+            "yes" if row["ids_exactly_1_to_n"] else "no",
+        )
+        for name, row in results["duplicates"].items()
+    ]
+    return "\n\n".join(
+        [
+            _machine(data),
+            _table(("row", "names", "names/s", "commands", "names/command"), speed),
+            "The same 2,000 names registered by 16 concurrent tasks, each in its own order:",
+            _table(
+                ("row", "calls", "names given 2+ ids", "ids burned", "ids exactly 1..n"), doubles
+            ),
+        ]
+    )
+
+
+def _cluster(data: dict[str, Any]) -> str:
+    results = data["results"]
+    single = {row["names"]: row for row in results["one server"]}
+    rows = []
+    for row in results["3-node cluster"]:
+        alone = single.get(row["names"], {})
+        ratio = (
+            row["acquisitions_per_s"] / alone["acquisitions_per_s"]
+            if alone.get("acquisitions_per_s")
+            else None
+        )
+        exact = row.get("counters_exact") and alone.get("counters_exact")
+        rows.append(
+            (
+                _num(row["names"]),
+                _num(alone.get("acquisitions_per_s")),
+                _num(row["acquisitions_per_s"]),
+                _times(ratio),
+                "yes" if exact else "no",
+                _num(sum(node.get("spublish_calls", 0) for node in row.get("per_node", []))),
+                _num(_bus_messages(row.get("per_node", []))),
+            )
+        )
+    machine = data.get("machine", {})
+    header = (
+        "names",
+        "one server acq/s",
+        "3-primary cluster acq/s",
+        "cluster / one",
+        "counters exact",
+        "SPUBLISH calls",
+        "cluster bus messages",
+    )
+    plain = results.get("pubsub", {}).get("plain_publish_x1000_per_node", [])
+    return "\n\n".join(
+        [
+            _machine(data).rstrip(".") + f", {machine.get('kind', 'valkey')} servers.",
+            _table(header, rows),
+            f"For comparison, 1,000 plain `PUBLISH`es on one node made "
+            f"{_num(_bus_messages(plain))} cluster bus messages.",
+        ]
+    )
+
+
+def _bus_messages(nodes: list[dict[str, Any]]) -> int:
+    """Pub/sub messages the nodes received over the cluster bus."""
+    return sum(
+        int(node.get("bus_publish_received", 0)) + int(node.get("bus_publishshard_received", 0))
+        for node in nodes
+    )
+
+
+def _mutex(data: dict[str, Any]) -> str:
+    labels: dict[str, str] = data["libraries"]
+    results = data["results"]
+    rows = []
+    for lib, label in labels.items():
+        alone = results["uncontended"].get(lib, {})
+        busy = results["contended"].get(lib, {})
+        rows.append(
+            (
+                label,
+                _num(alone.get("cycles_per_s")),
+                _num(alone.get("latency_ms", {}).get("median"), 3),
+                _num(busy.get("acquisitions_per_s")),
+                _num(busy.get("wait_ms", {}).get("p99"), 1),
+                _num(busy.get("client_lock_commands_per_acquisition"), 2),
+                _num(100 * busy.get("regrab_share", 0), 1) + "%",
+            )
+        )
+    header = (
+        "library",
+        "uncontended cycles/s",
+        "cycle median ms",
+        "contended acq/s",
+        "wait p99 ms",
+        "commands/acq",
+        "re-grabs",
+    )
+    return _machine(data) + "\n\n" + _table(header, rows)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "peers": _peers,
+    "mutex": _mutex,
+    "primitives": _primitives,
+    "registry": _registry,
+    "cluster": _cluster,
+}
