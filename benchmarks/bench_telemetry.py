@@ -258,7 +258,8 @@ def cli() -> None:
         report = asyncio.run(main(url, options.quick))
         report["server"] = {"url": redact(url), "origin": origin, **asyncio.run(server_info(url))}
     report["machine"] = machine()
-    report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    report["started_at"] = now.isoformat(timespec="seconds")
     report["modes"] = {
         "none": "acquire unwrapped, on_* hooks replaced by an empty function",
         "off": "as shipped, not instrumented (the default)",

@@ -355,10 +355,25 @@ def _mutex(data: dict[str, Any]) -> str:
     return _machine(data) + "\n\n" + _table(header, rows)
 
 
+def _telemetry(data: dict[str, Any]) -> str:
+    modes = list(data["modes"])
+    rows = []
+    for workload in ("uncontended", "contended"):
+        row = data[workload]
+        for figure, ratio, label in (
+            ("per_second_median", "per_second_ratio_to_none", "cycles/s"),
+            ("cpu_us_per_cycle_median", "cpu_ratio_to_none", "client CPU µs per cycle"),
+        ):
+            cells = [f"{_num(row[figure][m])} ({_times(row[ratio][m])})" for m in modes]
+            rows.append((f"{workload}, {label}", *cells))
+    return "\n\n".join([_machine(data), _table(("median of rounds", *modes), rows)])
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "peers": _peers,
     "mutex": _mutex,
     "primitives": _primitives,
     "registry": _registry,
     "cluster": _cluster,
+    "telemetry": _telemetry,
 }
