@@ -254,12 +254,12 @@ def cli() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "telemetry.json")
     parser.add_argument("--quick", action="store_true", help="fewer cycles and rounds")
     options = parser.parse_args()
+    started_at = datetime.datetime.now(datetime.timezone.utc)
     with bench_server(options.url) as (url, origin):
         report = asyncio.run(main(url, options.quick))
         report["server"] = {"url": redact(url), "origin": origin, **asyncio.run(server_info(url))}
     report["machine"] = machine()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    report["started_at"] = now.isoformat(timespec="seconds")
+    report["started_at"] = started_at.isoformat(timespec="seconds")
     report["modes"] = {
         "none": "acquire unwrapped, on_* hooks replaced by an empty function",
         "off": "as shipped, not instrumented (the default)",
