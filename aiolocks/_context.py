@@ -2,7 +2,8 @@
 
 There is one `ClientContext` per (client, event loop). Every primitive built on the same
 client shares it, so 10,000 waiting tasks share one pub/sub connection, one renewal task
-and a bounded number of in-flight commands.
+and one auto-pipelined connection for their script calls (or, with auto-pipelining off
+and on Cluster, a bounded number of in-flight commands).
 """
 
 from __future__ import annotations
