@@ -1,8 +1,8 @@
 """Auto-pipelining: the script calls a client's tasks make in one loop iteration go out as
 one pipeline, on one connection, in the order they were made.
 
-redis-py spends about 85 µs of CPU on a command sent alone and about 20 µs on one sent in
-a pipeline of 16 or more; on a small machine that CPU bounds the throughput. One
+redis-py spends 85-120 µs of CPU on a command sent alone and 17-25 µs on one sent in a
+pipeline of 16 or more; on a small machine that CPU bounds the throughput. One
 connection also keeps a burst (10,000 tasks trying 1,000 names at once) off the pool,
 which would otherwise open a connection per command in flight. A call made while the
 client is quiet still goes out at once, alone.
