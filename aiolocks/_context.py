@@ -2,7 +2,8 @@
 
 There is one `ClientContext` per (client, event loop). Every primitive built on the same
 client shares it, so 10,000 waiting tasks share one pub/sub connection, one renewal task
-and a bounded number of in-flight commands.
+and one auto-pipelined connection for their script calls (or, with auto-pipelining off
+and on Cluster, a bounded number of in-flight commands).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.client import NEVER_DECODE
 
 from . import _cancel
+from ._autopipe import AutoPipeline, Staged, command
 from ._clients import AnyRedis
 from ._coalesce import Coalescer
 from ._leases import LeaseKeeper
@@ -36,6 +39,10 @@ log = logging.getLogger("aiolocks")
 # Commands the engine keeps in flight per client at most. redis-py's pool fails fast
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
 _MAX_IN_FLIGHT = 64
+
+# "0" (or "off", "false", "no") turns auto-pipelining off (see `_autopipe.py`): every
+# script call then goes on its own pooled connection, within the in-flight bound.
+AUTOPIPELINE_ENV = "AIOLOCKS_AUTOPIPELINE"
 
 # Contexts live on the client itself (client <-> context is an ordinary cycle the garbage
 # collector frees with the client), one per event loop the client is used from.
@@ -71,10 +78,18 @@ class ClientContext:
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
-        # On Cluster each node has its own pool; the bound then applies per client.
+        # Script calls made in one loop iteration go out as one pipeline, on one connection.
+        # Not on Cluster: redis-py routes each command to its slot's node and follows
+        # MOVED / ASK there, which a connection of our own would have to redo.
+        self.autopipe: AutoPipeline | None = None
+        if not isinstance(client, RedisCluster) and autopipelining():
+            self.autopipe = AutoPipeline(client.connection_pool, self._count_sent)
+        # On Cluster each node has its own pool; the bound then applies per client. The
+        # pool also serves the pub/sub connection and the auto-pipeline's one.
         pool = getattr(client, "connection_pool", None)
-        pool_limit = getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2)
-        self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, int(pool_limit) - 2)))
+        pool_limit = int(getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2))
+        spare = pool_limit - 2 - (self.autopipe is not None)
+        self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, spare)))
         # Local hand-off cohorts (_cohort.py), by (channel, ttl_ms, bound); idle ones leave.
         self.cohorts: dict[tuple[bytes, int, int], Cohort] = {}
         # Registries' coalesced register() calls, by the registry's ids key.
@@ -106,26 +121,35 @@ class ClientContext:
         connection: a connection dropped by the server or the network fails the command
         in flight (and a client made by `from_url` retries nothing by itself), and every
         engine script is idempotent, so running one again after a lost reply is safe.
+
+        With auto-pipelining (the default, not on Cluster), the call joins the others made
+        in the same loop iteration, in one pipeline on the context's one connection.
         """
         await self._ready()
         before = _cancel.pending()
-        async with self._slots:
-            try:
-                reply = await self._evalsha(script, keys, args)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                if not retry:
-                    raise
-                reply = await self._evalsha(script, keys, args)
+        if self.autopipe is not None:
+            reply = await self.autopipe.call(script, keys, args, retry)
+        else:
+            async with self._slots:
+                try:
+                    reply = await self._evalsha(script, keys, args)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    if not retry:
+                        raise
+                    reply = await self._evalsha(script, keys, args)
         _cancel.redeliver(before)
         return reply
+
+    def _count_sent(self, commands: int) -> None:
+        self.commands_sent += commands
 
     async def _evalsha(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
         self.commands_sent += 1
         try:
-            return await self._execute("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self._execute(*command(script, keys, args, by_source=False))
         except redis.exceptions.NoScriptError:
             self.commands_sent += 1
-            return await self._execute("EVAL", script.source, len(keys), *keys, *args)
+            return await self._execute(*command(script, keys, args, by_source=True))
 
     async def run_then_wait(
         self,
@@ -141,7 +165,7 @@ class ClientContext:
         for by_source in (False, True):
             async with self._slots:
                 pipe = self.client.pipeline(transaction=False)
-                _stage(pipe, script, keys, args, by_source=by_source)
+                pipe.execute_command(*command(script, keys, args, by_source=by_source))
                 pipe.execute_command("WAIT", replicas, timeout_ms)
                 self.commands_sent += 2
                 reply, acked = await pipe.execute(raise_on_error=False)
@@ -168,9 +192,7 @@ class ClientContext:
             results: list[Any] = await pipe.execute()
         return results
 
-    async def pipeline(
-        self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]]
-    ) -> list[Any]:
+    async def pipeline(self, calls: list[Staged]) -> list[Any]:
         """Run several scripts in one round trip; each result is a value or an exception.
 
         Calls the server answers NOSCRIPT are sent again, by EVAL, in a second round trip.
@@ -189,14 +211,12 @@ class ClientContext:
         _cancel.redeliver(before)
         return results
 
-    async def _send(
-        self, calls: list[tuple[Script, tuple[bytes, ...], tuple[Any, ...]]], *, by_source: bool
-    ) -> list[Any]:
+    async def _send(self, calls: list[Staged], *, by_source: bool) -> list[Any]:
         await self._ready()
         async with self._slots:
             pipe = self.client.pipeline(transaction=False)
-            for script, keys, args in calls:
-                _stage(pipe, script, keys, args, by_source=by_source)
+            for call in calls:
+                pipe.execute_command(*command(*call, by_source=by_source))
             self.commands_sent += len(calls)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
@@ -238,13 +258,11 @@ class ClientContext:
         self.closed = True
         await self.keeper.aclose()
         await self.notifier.aclose()
+        if self.autopipe is not None:
+            await self.autopipe.aclose()
 
 
-def _stage(
-    pipe: Any, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, by_source: bool
-) -> None:
-    """Add one script call to `pipe`: by SHA, or by its text (EVAL) after a NOSCRIPT."""
-    if by_source:
-        pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
-    else:
-        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+def autopipelining() -> bool:
+    """Whether new contexts auto-pipeline (`AIOLOCKS_AUTOPIPELINE`, on unless "0"/"off")."""
+    value = os.environ.get(AUTOPIPELINE_ENV, "1").strip().lower()
+    return value not in ("0", "off", "false", "no")

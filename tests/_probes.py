@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from aiolocks._clients import AnyRedis
 from aiolocks._context import ClientContext, context_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-from _lockworker import queued_token
+from _lockworker import on_queued
 
 
 class QueueProbe:
@@ -23,26 +22,20 @@ class QueueProbe:
     def __init__(self, client: AnyRedis) -> None:
         self.context: ClientContext = context_for(client)
         self.queued: list[str] = []
-        self._changed = asyncio.Condition()
-        inner: Callable[..., Awaitable[Any]] = self.context._execute
+        self._grew = asyncio.Event()
+        on_queued(client, self._queued)
 
-        async def execute(*args: Any, **options: Any) -> Any:
-            reply = await inner(*args, **options)
-            token = queued_token(args, reply)
-            if token is not None and token not in self.queued:
-                self.queued.append(token)
-                async with self._changed:
-                    self._changed.notify_all()
-            return reply
-
-        self.context._execute = execute
+    def _queued(self, token: str) -> None:
+        self.queued.append(token)
+        self._grew.set()
 
     async def wait_queued(self, count: int, timeout: float = 10.0) -> None:
         """Wait until `count` distinct tokens have been queued (bounded)."""
 
         async def wait() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: len(self.queued) >= count)
+            while len(self.queued) < count:
+                self._grew.clear()
+                await self._grew.wait()
 
         await asyncio.wait_for(wait(), timeout)
 

@@ -13,6 +13,7 @@ from conftest import Backend, cancelled_attempt
 
 from aiolocks import RedisMutex
 from aiolocks._context import context_for
+from aiolocks._scripts import Script
 
 
 async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend) -> None:
@@ -95,17 +96,18 @@ async def test_timeout_of_a_queued_waiter_withdraws_it(r: redis.asyncio.Redis) -
 async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:
     mutex = RedisMutex(r, "x:release")
     context = context_for(r)
-    inner = context._execute
+    inner = context.run
     in_flight = asyncio.Event()
-    release_sha = mutex._spec.release.sha
 
-    async def stalled_first_release(*args: Any) -> Any:
-        if args[:2] == ("EVALSHA", release_sha) and not in_flight.is_set():
+    async def stalled_first_release(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        if script is mutex._spec.release and not in_flight.is_set():
             in_flight.set()
             await asyncio.Event().wait()  # never answers: only a cancellation ends it
-        return await inner(*args)
+        return await inner(script, keys, args, retry=retry)
 
-    context._execute = stalled_first_release
+    context.run = stalled_first_release  # type: ignore[method-assign]
 
     async def hold_then_release() -> None:
         assert await mutex.acquire()

@@ -5,11 +5,11 @@ here sleep-polls Redis: the test waits on worker output lines, process exits and
 tasks, each with a bound.
 
 Knowing that a waiter is on the server's queue (FIFO test, dead-waiter test) is
-event-driven too: the worker's client (and the test's, `QueueWatchingRedis`) overrides
-``execute_command`` and reports the reply of the acquire script in ``wait`` mode that
-says "queued" (``{0, pttl}``). That reply is sent only after the script has queued the
-caller, so from then on the entry is on the server; each such report is then confirmed
-once with ``inspect().queue_length``.
+event-driven too: the worker's client (and the test's, `WatchingClient`) wraps the
+engine's script runner (`_lockworker.on_queued`) and reports the reply of the acquire
+script in ``wait`` mode that says "queued" (``{0, pttl}``). That reply is sent only after
+the script has queued the caller, so from then on the entry is on the server; each such
+report is then confirmed once with ``inspect().queue_length``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 import redis.asyncio
@@ -33,7 +32,7 @@ from _workers import LINE_TIMEOUT, Spawn, Worker
 from aiolocks import RedisMutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-from _lockworker import queued_token
+from _lockworker import on_queued
 
 pytestmark = pytest.mark.slow
 
@@ -45,32 +44,23 @@ CRASHER = WORKERS / "mutex_crasher.py"
 SLACK = 0.25  # a waiter must get a dead holder's mutex within its ttl plus this
 
 
-class QueueWatchingRedis(redis.asyncio.Redis):
-    """A client that puts the token of each of its waiters on `queued` as soon as the reply
-    of the acquire script (``EVALSHA sha numkeys *keys token ttl_ms 'wait' channel``) says
-    it is queued (``{0, pttl}``). Same hook as ``tests/workers/_lockworker.py``."""
+@dataclass
+class WatchingClient:
+    """A client whose waiters' tokens go on `queued` as soon as the reply of the acquire
+    script (``EVALSHA sha numkeys *keys token ttl_ms 'wait' channel``) says they are
+    queued (``{0, pttl}``). Same hook as the workers' (``tests/workers/_lockworker.py``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.queued: asyncio.Queue[str] = asyncio.Queue()
-        self._seen: set[str] = set()
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        execute: Callable[..., Awaitable[Any]] = super().execute_command  # untyped upstream
-        reply = await execute(*args, **options)
-        token = queued_token(args, reply)
-        if token is not None and token not in self._seen:
-            self._seen.add(token)
-            self.queued.put_nowait(token)
-        return reply
+    client: redis.asyncio.Redis
+    queued: asyncio.Queue[str]
 
 
 @pytest.fixture
-async def watching_client(url: str) -> AsyncIterator[QueueWatchingRedis]:
-    client = cast(QueueWatchingRedis, QueueWatchingRedis.from_url(url))
-    assert isinstance(client, QueueWatchingRedis)
+async def watching_client(url: str) -> AsyncIterator[WatchingClient]:
+    client = redis.asyncio.Redis.from_url(url)
+    watching = WatchingClient(client, asyncio.Queue())
+    on_queued(client, watching.queued.put_nowait)
     try:
-        yield client
+        yield watching
     finally:
         await client.aclose()
 
@@ -202,7 +192,7 @@ async def test_holder_crash_frees_within_ttl(
     r: redis.asyncio.Redis,
     url: str,
     spawn: Spawn,
-    watching_client: QueueWatchingRedis,
+    watching_client: WatchingClient,
     waiting: bool,
 ) -> None:
     """A process holding the mutex (ttl=1, renewed at least once) dies without releasing: a
@@ -210,7 +200,7 @@ async def test_holder_crash_frees_within_ttl(
     name, ttl = "crash", 1.0
     crasher = await spawn(CRASHER, url, name, ttl, ttl / 2, 20, stdin=True)
     crasher_fence = int((await crasher.expect("held"))[1])
-    mutex = RedisMutex(watching_client, name, ttl=5)
+    mutex = RedisMutex(watching_client.client, name, ttl=5)
 
     tasks: list[asyncio.Task[Acquired]] = []
     async with _reaped(tasks):
@@ -244,7 +234,7 @@ async def test_holder_crash_frees_within_ttl(
 
 
 async def test_dead_waiter_does_not_block_the_queue(
-    r: redis.asyncio.Redis, url: str, spawn: Spawn, watching_client: QueueWatchingRedis
+    r: redis.asyncio.Redis, url: str, spawn: Spawn, watching_client: WatchingClient
 ) -> None:
     """A waiter process queued behind the test's holding is SIGKILLed; on release the mutex
     goes to its (still live-looking) entry, whose lease then runs out: the next waiter,
@@ -259,7 +249,7 @@ async def test_dead_waiter_does_not_block_the_queue(
     dead_token = (await doomed.expect("queued"))[1]
     assert (await holder.inspect()).queue_length == 1
 
-    second = RedisMutex(watching_client, name, ttl=ttl)
+    second = RedisMutex(watching_client.client, name, ttl=ttl)
     tasks = [asyncio.create_task(_acquire_timed(second, 10))]
     async with _reaped(tasks):
         await asyncio.wait_for(watching_client.queued.get(), LINE_TIMEOUT)

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 
+from aiolocks._clients import AnyRedis
+from aiolocks._context import context_for
+from aiolocks._scripts import Script
+
 __all__ = [
     "CLUSTER_SCHEME",
     "EXIT_TIMEOUT",
-    "QueueReportingRedis",
     "connect",
     "emit",
+    "on_queued",
     "queued_token",
+    "report_queued",
     "run",
 ]
 
@@ -70,21 +75,33 @@ def queued_token(args: tuple[Any, ...], reply: Any) -> str | None:
     return _text(argv[0]).split(":", 1)[0]
 
 
-_reported: set[str] = set()
+def on_queued(client: AnyRedis, queued: Callable[[str], None]) -> None:
+    """Call `queued(token)` once per token, as soon as the reply of an acquire call of
+    `client` on this event loop says that waiter is queued.
 
+    It wraps the engine's one script runner (`ClientContext.run`), so it sees every script
+    call whether it went alone or in an auto-pipelined batch.
+    """
+    context = context_for(client)
+    inner = context.run
+    seen: set[str] = set()
 
-class QueueReportingRedis(redis.asyncio.Redis):
-    """A client that prints ``queued <token>`` once per token, as soon as the server's reply
-    to an acquire call says that waiter is queued."""
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        execute: Callable[..., Awaitable[Any]] = super().execute_command  # untyped upstream
-        reply = await execute(*args, **options)
-        token = queued_token(args, reply)
-        if token is not None and token not in _reported:
-            _reported.add(token)
-            emit("queued", token)
+    async def run(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        reply = await inner(script, keys, args, retry=retry)
+        token = queued_token(("EVALSHA", script.sha, len(keys), *keys, *args), reply)
+        if token is not None and token not in seen:
+            seen.add(token)
+            queued(token)
         return reply
+
+    context.run = run  # type: ignore[method-assign]
+
+
+def report_queued(client: AnyRedis) -> None:
+    """Print ``queued <token>`` once per token of `client` (see `on_queued`)."""
+    on_queued(client, lambda token: emit("queued", token))
 
 
 def run(main: Coroutine[Any, Any, int], timeout: float) -> int:

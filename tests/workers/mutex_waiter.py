@@ -15,7 +15,8 @@ import asyncio
 import sys
 import time
 
-from _lockworker import QueueReportingRedis, emit, run
+import redis.asyncio
+from _lockworker import emit, report_queued, run
 
 from aiolocks import RedisMutex
 
@@ -23,7 +24,8 @@ from aiolocks import RedisMutex
 async def main(argv: list[str]) -> int:
     url, name, index = argv[0], argv[1], int(argv[2])
     ttl, hold, timeout = float(argv[3]), float(argv[4]), float(argv[5])
-    client = QueueReportingRedis.from_url(url)
+    client = redis.asyncio.Redis.from_url(url)
+    report_queued(client)
     try:
         mutex = RedisMutex(client, name, ttl=ttl)
         if not await mutex.acquire(timeout=timeout):
