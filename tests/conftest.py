@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import Cluster
 from _faultreport import pytest_terminal_summary as pytest_terminal_summary
+from _faults import close_client
 from _probes import QueueProbe
+from _proxy import Proxy
 from _sentinel import SentinelGroup
 from _servers import ServerKind, ServerProcess, available_kinds, binary_path
 from _workers import Spawn, spawner
@@ -270,6 +272,27 @@ class Tasks:
         for task in self.started:
             task.cancel()
         await asyncio.gather(*self.started, return_exceptions=True)
+
+
+@pytest.fixture
+async def proxy(valkey_notify: ServerProcess) -> AsyncIterator[Proxy]:
+    """A loopback TCP proxy in front of the valkey server (tests/_proxy.py)."""
+    started = await Proxy(valkey_notify.port).start()
+    try:
+        yield started
+    finally:
+        await started.aclose()
+
+
+@pytest.fixture
+async def direct(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client straight to the server the `proxy` fronts, after FLUSHALL."""
+    client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    await client.flushall()
+    try:
+        yield client
+    finally:
+        await close_client(client)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio
 import redis.exceptions
 from _proxy import Proxy
-from _servers import ServerProcess, command_count
+from _servers import command_count
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import RedisMutex, ServerUnavailable, _autopipe
@@ -181,25 +181,6 @@ async def test_a_caller_cancelled_before_its_batch_is_written_is_not_sent(
 
 
 # ----------------------------------------------------------------------- through a proxy
-
-
-@pytest.fixture
-async def proxy(valkey_notify: ServerProcess) -> AsyncIterator[Proxy]:
-    started = await Proxy(valkey_notify.port).start()
-    try:
-        yield started
-    finally:
-        await started.aclose()
-
-
-@pytest.fixture
-async def direct(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis.asyncio.Redis.from_url(valkey_notify.url)
-    await client.flushall()
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,25 +26,6 @@ from aiolocks import LockLost, ServerUnavailable
 from aiolocks._holding import LeasedLock
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-async def proxy(valkey_notify: ServerProcess) -> AsyncIterator[Proxy]:
-    started = await Proxy(valkey_notify.port).start()
-    try:
-        yield started
-    finally:
-        await started.aclose()
-
-
-@pytest.fixture
-async def direct(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis.asyncio.Redis.from_url(valkey_notify.url)
-    await client.flushall()
-    try:
-        yield client
-    finally:
-        await close_client(client)
 
 
 def _lock(client: redis.asyncio.Redis, kind: str, name: str, **options: Any) -> LeasedLock:
