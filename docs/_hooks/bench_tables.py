@@ -369,6 +369,28 @@ def _telemetry(data: dict[str, Any]) -> str:
     return "\n\n".join([_machine(data), _table(("median of rounds", *modes), rows)])
 
 
+def _autopipe(data: dict[str, Any]) -> str:
+    modes = list(data["modes"])
+    rows = []
+    for workload, by_mode in data["results"].items():
+        for figure, label, digits in (
+            ("per_s", "per second", 0),
+            ("client_cpu_ms_per_op", "client CPU ms per op", 3),
+            ("connections_opened", "connections opened", 0),
+        ):
+            cells = [_num((by_mode.get(mode) or {}).get(figure), digits) for mode in modes]
+            if any(cell != "-" for cell in cells):
+                rows.append((f"{workload}, {label}", *cells))
+    ratios = ", ".join(f"{w} {_times(x)}" for w, x in data["on_vs_off"].items())
+    return "\n\n".join(
+        [
+            _machine(data),
+            _table(("median of rounds", *modes), rows),
+            f"On ÷ off throughput: {ratios}. {data['decision']}",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "peers": _peers,
     "mutex": _mutex,
@@ -376,4 +398,5 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "registry": _registry,
     "cluster": _cluster,
     "telemetry": _telemetry,
+    "autopipe": _autopipe,
 }
