@@ -399,4 +399,5 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "cluster": _cluster,
     "telemetry": _telemetry,
     "autopipe": _autopipe,
+    "local_handoff": _peers,  # bench_peers.py --only contended,processes: the same layout
 }
