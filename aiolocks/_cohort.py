@@ -82,7 +82,6 @@ class Cohort:
         self._next_fence = 0
         self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
         self._holder: tuple[LeasedLock, Holding] | None = None
-        self.local_handoffs = 0  # in total, for statistics and tests
 
     @property
     def idle(self) -> bool:
@@ -120,7 +119,7 @@ class Cohort:
             return False
         if waiter.future.result() is _Turn.HOLD:
             return True
-        return await self._contend(lock, task, True, deadline, promoted=True)
+        return await self._contend(lock, task, True, deadline)
 
     async def _abandon(self, waiter: _LocalWaiter) -> None:
         """A waiting task gives up (timeout, cancellation): whatever it was handed meanwhile
@@ -145,11 +144,8 @@ class Cohort:
         task: asyncio.Task[Any],
         blocking: bool,
         deadline: float | None,
-        *,
-        promoted: bool = False,
     ) -> bool:
-        assert promoted or not self._contending
-        self._contending = True
+        self._contending = True  # already, for a task promoted to it
         grant = None
         try:
             grant = await lock._acquire_grant(self._context, self.bound, blocking, deadline)
@@ -217,7 +213,6 @@ class Cohort:
     def _pass(self, waiter: _LocalWaiter, releaser: Spec) -> None:
         fence, self._next_fence = self._next_fence, self._next_fence + 1
         self.passes += 1
-        self.local_handoffs += 1
         _telemetry.on_handoff(releaser, 1, local=True)
         self._give(waiter.lock, waiter.task, fence)
         waiter.future.set_result(_Turn.HOLD)
@@ -248,7 +243,6 @@ class Cohort:
         self._lease.valid_until = validity(sent_at, self._lease.ttl)
         self._lease.next_due = sent_at + self._lease.ttl / 3
         self._next_fence = int(reply[1])
-        self.passes = 0
         waiter = self._next_waiter()
         if waiter is None:  # it gave up while the call was in flight
             await self._return(token)
