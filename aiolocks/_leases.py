@@ -72,12 +72,13 @@ class Lease:
 
 
 class _HeartbeatGroup:
-    """The waiters of one primitive's queue (one `waiters` key) in this process."""
+    """The waiters of one primitive's queue (one `waiters` key) in this process; `keys` are
+    the waiters key, then the keys heartbeat.lua keeps alive with them."""
 
-    __slots__ = ("key", "next_due", "waiters")
+    __slots__ = ("keys", "next_due", "waiters")
 
-    def __init__(self, key: bytes) -> None:
-        self.key = key
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self.keys = keys
         self.waiters: dict[str, Waiter] = {}
         self.next_due = float("inf")
 
@@ -102,22 +103,23 @@ class LeaseKeeper:
     def drop(self, lease: Lease) -> None:
         self._leases.discard(lease)
 
-    def watch_waiter(self, waiters_key: bytes, waiter: Waiter) -> None:
-        group = self._groups.get(waiters_key)
+    def watch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
+        """Heartbeat `waiter` with its primitive's `keys` (the waiters key first)."""
+        group = self._groups.get(keys[0])
         if group is None:
-            group = self._groups[waiters_key] = _HeartbeatGroup(waiters_key)
+            group = self._groups[keys[0]] = _HeartbeatGroup(keys)
         group.waiters[waiter.token] = waiter
         due = time.monotonic() + waiter.ttl_ms / 3000.0
         if due < group.next_due:
             group.next_due = due
             self._schedule(due)
 
-    def unwatch_waiter(self, waiters_key: bytes, waiter: Waiter) -> None:
-        group = self._groups.get(waiters_key)
+    def unwatch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
+        group = self._groups.get(keys[0])
         if group is not None:
             group.waiters.pop(waiter.token, None)
             if not group.waiters:
-                del self._groups[waiters_key]
+                del self._groups[keys[0]]
 
     def _schedule(self, due: float) -> None:
         if self._task is None or self._task.done():
@@ -170,7 +172,7 @@ class LeaseKeeper:
         ]
         members = [list(group.waiters.values()) for group in groups]
         calls += [
-            (HEARTBEAT, (group.key,), tuple(w.member for w in waiters))
+            (HEARTBEAT, group.keys, tuple(w.member for w in waiters))
             for group, waiters in zip(groups, members, strict=True)
         ]
         # Never wait past the moment a held lease stops being known valid, nor longer than a

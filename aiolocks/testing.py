@@ -132,5 +132,5 @@ def _as_leased(lock: object) -> LeasedLock:
 async def _end(lock: Lock | LeasedLock, token: str) -> int:
     leased = _as_leased(lock)
     with map_redis_errors(leased.name):
-        ended = await context_for(leased._client).run(_EXPIRE, leased._spec.renew_keys, (token,))
+        ended = await context_for(leased._client).run(_EXPIRE, leased._spec.renew_keys[:1], (token,))
     return int(ended)
