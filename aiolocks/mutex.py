@@ -28,7 +28,7 @@ class MutexInfo:
     owner: str | None  # token of the current holder
     lease_remaining_ms: int | None  # of the current holder
     queue_length: int  # waiters queued (live or not yet purged)
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 def _validate_local_handoff(value: object) -> int:

@@ -31,7 +31,7 @@ class RWLockInfo:
     writer: str | None  # token of the writer holding it
     readers: int  # live readers
     queue_length: int  # waiters queued, readers and writers
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 class _Side(LeasedLock):

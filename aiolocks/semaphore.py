@@ -27,10 +27,10 @@ class SemaphoreInfo:
     """What the server says about a semaphore (from `RedisSemaphore.inspect()`)."""
 
     name: str
-    limit: int | None  # the stored limit (None: never used)
+    limit: int | None  # the stored limit (None: never used, or idle: expired)
     holders: int  # live holders
     queue_length: int  # waiters queued (live or not yet purged)
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 # The largest limit: stored and compared exactly by the Lua scripts (numbers are doubles,
