@@ -153,7 +153,8 @@ class RedisSemaphore(LeasedLock):
 
         Lowering it takes no permit away: holders keep theirs until they release. Waiters
         already queued keep waiting under the new limit; new acquisitions through instances
-        still configured with the old limit get `LimitMismatch`.
+        still configured with the old limit get `LimitMismatch`. Like the rest of the
+        name's keys, the stored limit expires once nobody has held or waited for ttl + 1 s.
         """
         limit = _validate_limit(limit)
         context = context_for(self._client)
