@@ -112,6 +112,15 @@ def _validate_ttl(ttl: object) -> float:
     return seconds
 
 
+def _validate_max_hold(max_hold: object) -> float | None:
+    if max_hold is None:
+        return None
+    seconds = _seconds(max_hold, "max_hold", "a number of seconds or None")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"max_hold must be a finite number of seconds > 0, got {max_hold!r}")
+    return seconds
+
+
 @dataclass(frozen=True, slots=True)
 class LockStatistics:
     """A cheap local snapshot of one primitive instance (no Redis call)."""
@@ -131,7 +140,7 @@ class LockStatistics:
 class Holding:
     """One acquisition: owned by one task, with its own token, fence and lease."""
 
-    __slots__ = ("fence", "lease", "lost", "lost_reason", "task", "token")
+    __slots__ = ("cap", "fence", "lease", "lost", "lost_reason", "task", "token")
 
     def __init__(self, task: asyncio.Task[Any], token: str, fence: int) -> None:
         self.task = task
@@ -140,6 +149,7 @@ class Holding:
         self.lease: Lease | None = None
         self.lost = asyncio.Event()
         self.lost_reason: str | None = None
+        self.cap: asyncio.TimerHandle | None = None  # ends it at `max_hold`
 
 
 class LeasedLock:
@@ -159,6 +169,7 @@ class LeasedLock:
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
@@ -171,6 +182,10 @@ class LeasedLock:
         self._on_lost = on_lost
         self._replicas = _validate_replicas(replicas, self._client)
         self._replica_timeout_ms = _validate_replica_timeout(replica_timeout)
+        self._max_hold = _validate_max_hold(max_hold)
+        if self._max_hold is not None and self._local_handoff:
+            # A cohort's lease outlives each local holding; capping one would end the chain.
+            raise ValueError("max_hold cannot be combined with local_handoff")
         self._holdings: dict[asyncio.Task[Any], Holding] = {}
         self._scopes: dict[asyncio.Task[Any], anyio.CancelScope] = {}
         self._waiting = 0
@@ -230,6 +245,7 @@ class LeasedLock:
         holding = self._install(task, grant.token, grant.fence)
         holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
         context.keeper.hold(holding.lease)
+        self._cap(context, holding, grant.granted_at)
         return True
 
     async def _acquire_grant(
@@ -301,6 +317,35 @@ class LeasedLock:
         self._holdings[task] = holding
         return holding
 
+    def _cap(self, context: ClientContext, holding: Holding, since: float) -> None:
+        """Arm `max_hold` for `holding`, counted from `since` (monotonic)."""
+        if self._max_hold is None or holding.lease is None:
+            return
+        delay = max(0.0, since + self._max_hold - time.monotonic())
+        holding.cap = asyncio.get_running_loop().call_later(
+            delay, self._max_hold_reached, context, holding
+        )
+
+    def _max_hold_reached(self, context: ClientContext, holding: Holding) -> None:
+        """Stop renewing `holding` and report it lost; its lease then ends on the server by
+        itself (or sooner, when the cancelled body releases it)."""
+        holding.cap = None
+        lease = holding.lease
+        if lease is None or lease.lost or holding.lost.is_set():
+            return
+        context.keeper.drop(lease)
+        lease.lost = True
+        assert self._max_hold is not None
+        self._lease_lost(
+            holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
+        )
+
+    @staticmethod
+    def _uncap(holding: Holding) -> None:
+        if holding.cap is not None:
+            holding.cap.cancel()
+            holding.cap = None
+
     async def release(self) -> None:
         """Release the current task's holding.
 
@@ -308,6 +353,7 @@ class LeasedLock:
         finished is adopted), and `LockLost` if the lease had been lost meanwhile.
         """
         holding = self._take_holding()
+        self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
         if holding.lease is not None and not self._local_handoff:

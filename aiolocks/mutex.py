@@ -67,16 +67,21 @@ class RedisMutex(LeasedLock):
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
         local_handoff: int = 0,
+        max_hold: float | None = None,
     ) -> None:
         """`local_handoff=N` (N > 0) lets this process's tasks pass the lock among
         themselves, without a round trip, up to N times in a row before it goes back to the
         global FIFO queue when other processes wait: much higher throughput under
         contention from one process, for bounded unfairness across processes. Fences stay
-        strictly increasing across all holders. 0 (the default) is strict FIFO."""
+        strictly increasing across all holders. 0 (the default) is strict FIFO.
+
+        `max_hold` (seconds, None by default) caps each holding: at that age its renewal
+        stops and it is reported lost (`LockLost` naming `max_hold`), so a stuck holder
+        cannot keep the lock for ever."""
         self._local_handoff = _validate_local_handoff(local_handoff)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
-            replicas=replicas, replica_timeout=replica_timeout,
+            replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,
         )  # fmt: skip
 
     def _make_spec(self) -> _acquire.Spec:

@@ -129,6 +129,7 @@ class RedisReadWriteLock:
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._client = client
         self.name = name
@@ -139,6 +140,7 @@ class RedisReadWriteLock:
             "on_lost": on_lost,
             "replicas": replicas,
             "replica_timeout": replica_timeout,
+            "max_hold": max_hold,
         }
         self._read = ReadLock(self, **options)  # validates every argument
         self._write = WriteLock(self, **options)

@@ -76,6 +76,7 @@ class RedisSemaphore(LeasedLock):
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._limit = _validate_limit(limit)
         super().__init__(
@@ -87,6 +88,7 @@ class RedisSemaphore(LeasedLock):
             on_lost=on_lost,
             replicas=replicas,
             replica_timeout=replica_timeout,
+            max_hold=max_hold,
         )
 
     @property
