@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis.asyncio
-from _servers import ServerProcess
 
 from aiolocks import LockLost, RedisMutex, RedisReadWriteLock, RedisSemaphore
 
@@ -29,17 +28,6 @@ CONTENDERS: dict[str, Factory] = {
 
 TTL = 0.3
 MAX_HOLD = 1.0
-
-
-@pytest.fixture
-async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyncio.Redis]]:
-    made = [redis.asyncio.Redis.from_url(valkey_notify.url) for _ in range(2)]
-    await made[0].flushall()
-    try:
-        yield made
-    finally:
-        for client in made:
-            await client.aclose()
 
 
 @pytest.mark.parametrize("kind", list(FACTORIES))
