@@ -13,6 +13,7 @@ from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
+from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
@@ -28,6 +29,7 @@ from .semaphore import SemaphoreInfo as SemaphoreInfo
 __all__ = (
     "LimitMismatch",
     "LockError",
+    "LockHandle",
     "LockLost",
     "LockNotOwned",
     "LockReentry",

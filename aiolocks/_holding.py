@@ -28,6 +28,7 @@ from ._clients import AnyRedis, ensure_async_client
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
 from ._errors import (
+    LockError,
     LockLost,
     LockNotOwned,
     LockReentry,
@@ -35,8 +36,10 @@ from ._errors import (
     NotReplicated,
     map_redis_errors,
 )
+from ._handle import LockHandle
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._leases import Lease
+from ._scripts import Script
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -157,6 +160,7 @@ class LeasedLock:
 
     _kind = "lock"
     _local_handoff = 0  # > 0: tasks of this process pass the lease on (see _cohort.py)
+    _handle_kind = ""  # the `LockHandle.kind` of its holdings (see detach / adopt)
 
     def __init__(
         self,
@@ -242,10 +246,7 @@ class LeasedLock:
             self._waiting -= 1
         if grant is None:
             return False
-        holding = self._install(task, grant.token, grant.fence)
-        holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
-        context.keeper.hold(holding.lease)
-        self._cap(context, holding, grant.granted_at)
+        self._hold(context, task, grant)
         return True
 
     async def _acquire_grant(
@@ -297,6 +298,13 @@ class LeasedLock:
                     _acquire.CLEANUP_BOUND,
                 )
             raise
+
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+        """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
+        holding = self._install(task, grant.token, grant.fence)
+        holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
+        context.keeper.hold(holding.lease)
+        self._cap(context, holding, grant.granted_at)
 
     def _new_lease(self, grant: _acquire.Grant, on_lost: Callable[[str], None]) -> Lease:
         return Lease(
@@ -383,19 +391,99 @@ class LeasedLock:
             holding.lost.set()
             raise self._lost_error(holding)
 
+    # -- hand-over to another process --------------------------------------------------
+
+    def detach(self) -> LockHandle:
+        """Let go of the current task's holding here without releasing it, for another
+        process to `adopt()`: renewal here stops, so adopt it within the `ttl`.
+
+        Raises `LockNotOwned` if the task holds nothing, `LockLost` if the lease had been
+        lost, and `LockError` for a `local_handoff` holding (its lease is the process's).
+        """
+        if self._local_handoff:
+            raise LockError(
+                self._name, "a local_handoff holding cannot be detached: its lease is shared "
+                "by this process's tasks",
+            )  # fmt: skip
+        holding = self._find_holding()
+        if holding.lost.is_set():
+            raise self._lost_error(holding)
+        del self._holdings[holding.task]
+        self._uncap(holding)
+        if holding.lease is not None:
+            context_for(self._client).keeper.drop(holding.lease)
+        _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
+        return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
+
+    async def adopt(self, handle: LockHandle) -> None:
+        """Take over a holding another process `detach()`ed: the current task holds it now,
+        renewed and released here, with the handle's `fencing_token`.
+
+        The server hands it to a new token of this process in one script, so a handle is
+        adopted once only, across every process. Raises `LockLost` at once if that holding
+        has ended (or its handle was adopted already): nothing is acquired anew, nothing
+        queued. Raises `LockError` for a handle of another kind, name or prefix.
+        """
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"adopt() takes a LockHandle, not {type(handle).__name__}")
+        mine = (self._handle_kind, self._name, self._prefix)
+        if (handle.kind, handle.name, handle.prefix) != mine:
+            raise LockError(
+                self._name,
+                f"the handle is of {handle.kind} {handle.name!r} (prefix {handle.prefix!r}), "
+                f"not of this {self._handle_kind} (prefix {self._prefix!r})",
+            )
+        if self._local_handoff:
+            raise LockError(self._name, "a local_handoff instance cannot adopt a holding")
+        task = _current_task()
+        if task in self._holdings or self._held_elsewhere(task) is not None:
+            raise LockReentry(self._name, "the current task already holds it")
+        context = context_for(self._client)
+        token = secrets.token_hex(16)
+        script, keys = self._adopt_call()
+        sent_at = time.monotonic()
+        try:
+            with map_redis_errors(self._name):
+                taken = await context.run(script, keys, (handle.token, token, self._ttl_ms))
+        except BaseException:
+            # The script may have run: give back what the new token may hold.
+            await _acquire.shielded(
+                lambda: _acquire.release(context, self._spec, token, self._ttl_ms),
+                _acquire.CLEANUP_BOUND,
+            )
+            raise
+        if not int(taken):
+            raise LockLost(
+                self._name,
+                "the handed-over holding has ended, or its handle was adopted already "
+                "(a handle is adopted once)",
+                token=handle.token,
+            )
+        self._hold(context, task, _acquire.Grant(token, handle.fencing_token, sent_at))
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        """The script (and its keys) that moves a holding to a new token, for `adopt()`."""
+        raise NotImplementedError
+
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
         side of a read-write lock); none by default."""
         return None
 
     def _take_holding(self) -> Holding:
+        holding = self._find_holding()
+        del self._holdings[holding.task]
+        return holding
+
+    def _find_holding(self) -> Holding:
+        """The current task's holding, else one of a task that has finished."""
         task = _current_task()
-        holding = self._holdings.pop(task, None)
+        holding = self._holdings.get(task)
         if holding is not None:
             return holding
-        for owner in list(self._holdings):
+        for owner, held in self._holdings.items():
             if owner.done():  # e.g. acquired inside asyncio.wait_for's own task
-                return self._holdings.pop(owner)
+                return held
         raise LockNotOwned(self._name, "the current task does not hold it")
 
     def _lost_error(self, holding: Holding) -> LockLost:

@@ -11,13 +11,14 @@ from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
-from ._scripts import load
+from ._scripts import Script, load
 
 __all__ = ["MutexInfo", "RedisMutex"]
 
 _ACQUIRE = load("mutex_acquire")
 _RELEASE = load("mutex_release")
 _RENEW = load("renew_owner")
+_ADOPT = load("adopt_owner", prelude=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class RedisMutex(LeasedLock):
     """
 
     _kind = "mutex"
+    _handle_kind = "mutex"
 
     def __init__(
         self,
@@ -100,6 +102,9 @@ class RedisMutex(LeasedLock):
             renew=_RENEW,
             renew_keys=(owner,),
         )
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        return _ADOPT, self._spec.renew_keys
 
     async def locked(self) -> bool:
         """True if anyone holds the mutex right now (asks Redis)."""
