@@ -15,6 +15,7 @@ from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
+from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
@@ -39,6 +40,7 @@ __all__ = (
     "NotReplicated",
     "RWLockInfo",
     "ReadLock",
+    "RedisMultiLock",
     "RedisMutex",
     "RedisReadWriteLock",
     "RedisRegistry",

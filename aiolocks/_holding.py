@@ -341,7 +341,7 @@ class LeasedLock:
         lease = holding.lease
         if lease is None or lease.lost or holding.lost.is_set():
             return
-        context.keeper.drop(lease)
+        self._stop_renewal(context, holding)
         lease.lost = True
         assert self._max_hold is not None
         self._lease_lost(
@@ -364,13 +364,12 @@ class LeasedLock:
         self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if holding.lease is not None and not self._local_handoff:
-            context.keeper.drop(holding.lease)  # a cohort's lease is the cohort's to drop
+        if not self._local_handoff:
+            self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
             # Best-effort: the key is gone or someone else's; this only tidies the queue.
             await _acquire.shielded(
-                lambda: _acquire.release(context, self._spec, holding.token, self._ttl_ms),
-                _acquire.CLEANUP_BOUND,
+                lambda: self._release_call(context, holding.token), _acquire.CLEANUP_BOUND
             )
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
@@ -378,9 +377,7 @@ class LeasedLock:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 held = await cohort.release(self, holding)
             else:
-                held = await _acquire.release_surely(
-                    context, self._spec, holding.token, self._ttl_ms
-                )
+                held = await self._release_surely(context, holding.token)
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.
@@ -400,18 +397,13 @@ class LeasedLock:
         Raises `LockNotOwned` if the task holds nothing, `LockLost` if the lease had been
         lost, and `LockError` for a `local_handoff` holding (its lease is the process's).
         """
-        if self._local_handoff:
-            raise LockError(
-                self._name, "a local_handoff holding cannot be detached: its lease is shared "
-                "by this process's tasks",
-            )  # fmt: skip
+        self._check_handover()
         holding = self._find_holding()
         if holding.lost.is_set():
             raise self._lost_error(holding)
         del self._holdings[holding.task]
         self._uncap(holding)
-        if holding.lease is not None:
-            context_for(self._client).keeper.drop(holding.lease)
+        self._stop_renewal(context_for(self._client), holding)
         _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
 
@@ -426,6 +418,7 @@ class LeasedLock:
         """
         if not isinstance(handle, LockHandle):
             raise TypeError(f"adopt() takes a LockHandle, not {type(handle).__name__}")
+        self._check_handover()
         mine = (self._handle_kind, self._name, self._prefix)
         if (handle.kind, handle.name, handle.prefix) != mine:
             raise LockError(
@@ -433,8 +426,6 @@ class LeasedLock:
                 f"the handle is of {handle.kind} {handle.name!r} (prefix {handle.prefix!r}), "
                 f"not of this {self._handle_kind} (prefix {self._prefix!r})",
             )
-        if self._local_handoff:
-            raise LockError(self._name, "a local_handoff instance cannot adopt a holding")
         task = _current_task()
         if task in self._holdings or self._held_elsewhere(task) is not None:
             raise LockReentry(self._name, "the current task already holds it")
@@ -448,8 +439,7 @@ class LeasedLock:
         except BaseException:
             # The script may have run: give back what the new token may hold.
             await _acquire.shielded(
-                lambda: _acquire.release(context, self._spec, token, self._ttl_ms),
-                _acquire.CLEANUP_BOUND,
+                lambda: self._release_call(context, token), _acquire.CLEANUP_BOUND
             )
             raise
         if not int(taken):
@@ -461,9 +451,31 @@ class LeasedLock:
             )
         self._hold(context, task, _acquire.Grant(token, handle.fencing_token, sent_at))
 
+    def _check_handover(self) -> None:
+        if not self._handle_kind:
+            raise LockError(self._name, f"a {type(self).__name__} cannot be handed over")
+        if self._local_handoff:
+            raise LockError(
+                self._name, "a local_handoff instance cannot hand a holding over: its lease "
+                "is shared by this process's tasks",
+            )  # fmt: skip
+
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
         """The script (and its keys) that moves a holding to a new token, for `adopt()`."""
         raise NotImplementedError
+
+    def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
+        """Take `holding`'s lease(s) out of the keeper (released, detached or capped)."""
+        if holding.lease is not None:
+            context.keeper.drop(holding.lease)
+
+    async def _release_call(self, context: ClientContext, token: str) -> bool | None:
+        """Run the release script(s) for `token` once (see `_acquire.release`)."""
+        return await _acquire.release(context, self._spec, token, self._ttl_ms)
+
+    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
+        """`_release_call`, completed even if the caller is cancelled meanwhile."""
+        return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other

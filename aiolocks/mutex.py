@@ -12,8 +12,9 @@ from ._errors import map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
 from ._scripts import Script, load
+from ._telemetry import Counters
 
-__all__ = ["MutexInfo", "RedisMutex"]
+__all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
 
 _ACQUIRE = load("mutex_acquire")
 _RELEASE = load("mutex_release")
@@ -30,6 +31,27 @@ class MutexInfo:
     lease_remaining_ms: int | None  # of the current holder
     queue_length: int  # waiters queued (live or not yet purged)
     fence: int  # the last fencing token handed out (0: never acquired)
+
+
+def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _acquire.Spec:
+    """The engine's view of the mutex `name`: its keys, channel and scripts (`counters`: an
+    instance's cumulative counts, when several specs share them)."""
+    keys = KeySpace(prefix, "mutex", name)
+    owner = keys.key("owner")
+    waiters = keys.key("waiters")
+    return _acquire.Spec(
+        name=name,
+        kind="x",
+        keys=(owner, keys.key("queue"), waiters, keys.key("fence")),
+        waiters_key=waiters,
+        channel=keys.key("wake"),
+        watch_key=owner,
+        acquire=_ACQUIRE,
+        release=_RELEASE,
+        renew=_RENEW,
+        renew_keys=(owner,),
+        counters=Counters() if counters is None else counters,
+    )
 
 
 def _validate_local_handoff(value: object) -> int:
@@ -87,21 +109,7 @@ class RedisMutex(LeasedLock):
         )  # fmt: skip
 
     def _make_spec(self) -> _acquire.Spec:
-        keys = KeySpace(self._prefix, self._kind, self._name)
-        owner = keys.key("owner")
-        waiters = keys.key("waiters")
-        return _acquire.Spec(
-            name=self._name,
-            kind="x",
-            keys=(owner, keys.key("queue"), waiters, keys.key("fence")),
-            waiters_key=waiters,
-            channel=keys.key("wake"),
-            watch_key=owner,
-            acquire=_ACQUIRE,
-            release=_RELEASE,
-            renew=_RENEW,
-            renew_keys=(owner,),
-        )
+        return mutex_spec(self._prefix, self._name)
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
         return _ADOPT, self._spec.renew_keys

@@ -172,12 +172,12 @@ async def test_detach_errors(clients: list[redis.asyncio.Redis]) -> None:
         lock.detach()
     cohort = RedisMutex(clients[0], "ho:cohort", ttl=5, local_handoff=4)
     async with cohort:
-        with pytest.raises(LockError, match="local_handoff holding cannot be detached"):
+        with pytest.raises(LockError, match="local_handoff instance cannot hand a holding over"):
             cohort.detach()
         assert cohort.held()  # still held, and released by the block
     plain = RedisMutex(clients[1], "ho:cohort", ttl=5)
     assert await plain.acquire()
-    with pytest.raises(LockError, match="cannot adopt"):
+    with pytest.raises(LockError, match="local_handoff instance cannot hand"):
         await cohort.adopt(plain.detach())
 
 
