@@ -40,7 +40,7 @@ EXCLUDED: dict[str, Factory] = {
     "rwlock-read": lambda client, name, **kw: RedisReadWriteLock(client, name, **kw).write(),
 }
 ADOPTER = Path(__file__).resolve().parent / "workers" / "handle_adopter.py"
-TTL = 0.3
+TTL = 0.5
 
 
 async def _held_by(lock: Any) -> str | None:

@@ -26,8 +26,8 @@ CONTENDERS: dict[str, Factory] = {
     "rw-read": lambda client, name, **kw: RedisReadWriteLock(client, name, **kw).write(),
 }
 
-TTL = 0.3
-MAX_HOLD = 1.0
+TTL = 0.6
+MAX_HOLD = 2.0
 
 
 @pytest.mark.parametrize("kind", list(FACTORIES))
@@ -47,7 +47,7 @@ async def test_a_body_longer_than_max_hold_is_cancelled_with_lock_lost(
             reached_end = True
     elapsed = time.monotonic() - started
     assert not reached_end
-    assert "max_hold=1" in str(caught.value), caught.value
+    assert "max_hold=2" in str(caught.value), caught.value
     assert MAX_HOLD <= elapsed < MAX_HOLD + 2.0, elapsed
     # The cancelled body's clean-up gave it back: the other side gets it at once.
     assert await other.acquire(timeout=2.0) is True
