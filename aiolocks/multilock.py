@@ -1,6 +1,8 @@
 """`RedisMultiLock`: all of several mutex names, or none, for one task at a time.
 
-Built on the engine as it is: each name is acquired as a `RedisMutex` would acquire it
+On a single server a first script takes every name at once when all are free with nobody
+queued. Otherwise (and always on Cluster) it is built on the engine as it is: each name is
+acquired as a `RedisMutex` would acquire it
 (same keys, same scripts, same FIFO queue), one name after the other in one global order
 (the names sorted by their UTF-8 bytes), so that multi-locks over overlapping sets, given
 in any order, cannot deadlock. Each name taken gets its own lease in the keeper at once;
@@ -13,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
+import time
 from collections.abc import Iterable
 from typing import Any, final
+
+from redis.asyncio.cluster import RedisCluster
 
 from . import _acquire
 from ._clients import AnyRedis
@@ -23,10 +28,13 @@ from ._errors import LockLost, map_redis_errors
 from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, validate_name
 from ._leases import Lease
+from ._scripts import load
 from ._telemetry import Counters
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 
 __all__ = ["RedisMultiLock"]
+
+_TRY_ALL = load("multi_try")
 
 
 class _Taken:
@@ -74,7 +82,8 @@ class RedisMultiLock(LeasedLock):
       name's FIFO queue, so a stream of single-name holders cannot starve it.
     - One lease per name, renewed together; losing any of them cancels the body with
       `LockLost` naming that name. `fencing_tokens` gives each name's fence.
-    - Shared by many tasks and not reentrant, like `RedisMutex`. Not atomic across names:
+    - Shared by many tasks and not reentrant, like `RedisMutex`. Free names are taken in
+      one atomic script on a single server; otherwise (and on Cluster) name by name, and
       while it waits for a later name it holds the earlier ones (see the docs page).
     """
 
@@ -126,27 +135,28 @@ class RedisMultiLock(LeasedLock):
     async def _acquire_grant(
         self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
     ) -> _acquire.Grant | None:
-        """Take every name in order, each as a mutex; all or none."""
+        """Take every name, all or none: at once when all are free (single server), else
+        one by one in sorted order, each as a mutex."""
         token = secrets.token_hex(16)
         taken = _Taken()
         grants: list[_acquire.Grant] = []
         try:
-            for spec in self._specs:
-                with map_redis_errors(spec.name):
-                    grant = await _acquire.acquire(
-                        context, spec, token, self._ttl_ms, blocking=blocking, deadline=deadline
-                    )
-                if grant is None:
-                    break
-                lost = functools.partial(self._name_lost, taken, spec.name)
-                lease = Lease(
-                    spec.renew, spec.renew_keys, (token, self._ttl_ms), self._ttl,
-                    grant.granted_at, lost,
-                )  # fmt: skip
-                context.keeper.hold(lease)
-                taken.leases.append(lease)
-                taken.fences[spec.name] = grant.fence
-                grants.append(grant)
+            if not isinstance(self._client, RedisCluster):
+                tried = await self._take_all(context, token, taken, deadline)
+                if tried is None:
+                    return None  # the deadline passed during the try (nothing is left)
+                grants = tried
+            if not grants:
+                for spec in self._specs:
+                    with map_redis_errors(spec.name):
+                        grant = await _acquire.acquire(
+                            context, spec, token, self._ttl_ms,
+                            blocking=blocking, deadline=deadline,
+                        )  # fmt: skip
+                    if grant is None:
+                        break
+                    self._took(context, taken, spec, grant)
+                    grants.append(grant)
         except BaseException:
             await self._give_back(context, token, taken)
             raise
@@ -163,6 +173,52 @@ class RedisMultiLock(LeasedLock):
                 token=token,
             )  # fmt: skip
         return None
+
+    async def _take_all(
+        self, context: ClientContext, token: str, taken: _Taken, deadline: float | None
+    ) -> list[_acquire.Grant] | None:
+        """One script that takes every name if all are free with nobody queued (then the
+        grants, in sorted order), else changes nothing (then []); None when `deadline`
+        passed first."""
+        keys = tuple(key for spec in self._specs for key in spec.keys)
+        sent_at = time.monotonic()
+
+        async def call() -> Any:
+            with map_redis_errors(self._name):
+                return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
+
+        try:
+            if deadline is None:
+                reply = await call()
+            else:
+                reply = await asyncio.wait_for(call(), max(0.0, deadline - sent_at))
+        except BaseException as exc:
+            # The script may have run: give back whatever the token may hold.
+            await _acquire.shielded(
+                lambda: self._release_all(context, self._specs, token), _acquire.CLEANUP_BOUND
+            )
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                return None
+            raise
+        if int(reply[0]) != 1:
+            return []
+        grants = [_acquire.Grant(token, int(fence), sent_at) for fence in reply[1:]]
+        for spec, grant in zip(self._specs, grants, strict=True):
+            self._took(context, taken, spec, grant)
+        return grants
+
+    def _took(
+        self, context: ClientContext, taken: _Taken, spec: _acquire.Spec, grant: _acquire.Grant
+    ) -> None:
+        """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
+        lost = functools.partial(self._name_lost, taken, spec.name)
+        lease = Lease(
+            spec.renew, spec.renew_keys, (grant.token, self._ttl_ms), self._ttl,
+            grant.granted_at, lost,
+        )  # fmt: skip
+        context.keeper.hold(lease)
+        taken.leases.append(lease)
+        taken.fences[spec.name] = grant.fence
 
     async def _give_back(self, context: ClientContext, token: str, taken: _Taken) -> None:
         for lease in taken.leases:

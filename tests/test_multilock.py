@@ -20,6 +20,8 @@ from conftest import Tasks, cancelled_attempt
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockError, LockLost, RedisMultiLock, RedisMutex
+from aiolocks._context import context_for
+from aiolocks._scripts import Script
 
 TRANSFER = Path(__file__).resolve().parent / "workers" / "multi_transfer.py"
 
@@ -53,6 +55,37 @@ async def test_acquire_release_fences_and_locked(clients: list[redis.asyncio.Red
     async with multi:
         again = multi.fencing_tokens
         assert again is not None and all(again[name] > tokens[name] for name in tokens)
+
+
+async def test_free_names_are_taken_in_one_script_call_on_one_server(
+    clients: list[redis.asyncio.Redis],
+) -> None:
+    context = context_for(clients[0])
+    inner = context.run
+    calls: list[str] = []
+
+    async def run(script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], **kw: Any) -> Any:
+        calls.append(script.name)
+        return await inner(script, keys, args, **kw)
+
+    context.run = run  # type: ignore[method-assign]
+    multi = RedisMultiLock(clients[0], ["t:c", "t:a", "t:b"], ttl=5)
+    assert await multi.acquire()
+    assert calls == ["multi_try"]  # all three at once
+    fences = multi.fencing_tokens
+    await multi.release()
+    assert sorted(calls[1:]) == ["mutex_release"] * 3
+    holder = RedisMutex(clients[1], "t:b", ttl=5)
+    assert await holder.acquire()
+    calls.clear()
+    assert await multi.acquire(blocking=False) is False  # busy: nothing taken, nothing left
+    assert calls[0] == "multi_try" and "mutex_acquire" in calls
+    assert await _left(clients[0], ["t:a", "t:c"]) == {}
+    await holder.release()
+    async with multi:
+        again = multi.fencing_tokens
+        assert again is not None and fences is not None
+        assert all(again[name] > fences[name] for name in fences)
 
 
 async def test_excludes_and_is_excluded_by_a_mutex_on_any_name(
