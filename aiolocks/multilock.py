@@ -2,12 +2,12 @@
 
 On a single server a first script takes every name at once when all are free with nobody
 queued. Otherwise (and always on Cluster) it is built on the engine as it is: each name is
-acquired as a `RedisMutex` would acquire it
-(same keys, same scripts, same FIFO queue), one name after the other in one global order
-(the names sorted by their UTF-8 bytes), so that multi-locks over overlapping sets, given
-in any order, cannot deadlock. Each name taken gets its own lease in the keeper at once;
-the caller is told of success only when every name is held, and a failure, timeout or
-cancellation gives back every name taken so far (shielded, bounded).
+acquired as a `RedisMutex` would acquire it (same keys, same scripts, same FIFO queue), one
+name after the other in one global order (the names sorted by their UTF-8 bytes), so that
+multi-locks over overlapping sets, given in any order, cannot deadlock. Each name taken gets
+its own lease in the keeper at once; the caller is told of success only when every name is
+held, and a failure, timeout or cancellation gives back every name taken so far (shielded,
+bounded).
 """
 
 from __future__ import annotations
