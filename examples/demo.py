@@ -163,7 +163,7 @@ async def run_workers(
 
     try:
         ok = await asyncio.wait_for(run(), RUN_TIMEOUT)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         print(f"workers still running after {RUN_TIMEOUT:g} s: stopping them", flush=True)
         ok = False
     finally:
