@@ -1,5 +1,6 @@
 """`main(argv)`: parse, run the command, turn every expected failure into one line on stderr
-and an exit status (0 ok, 1 not found or refused, 2 usage, 3 server unreachable)."""
+and an exit status (0 ok, 1 not found or refused, 2 usage, 3 server unreachable, 141 the
+reader of the output went away)."""
 
 from __future__ import annotations
 
