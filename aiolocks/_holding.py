@@ -13,12 +13,11 @@ import functools
 import logging
 import math
 import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar
 
 import anyio
 from redis.asyncio.cluster import RedisCluster
@@ -40,11 +39,6 @@ from ._handle import LockHandle
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._leases import Lease
 from ._scripts import Script
-
-if sys.version_info >= (3, 11):
-    from typing import Self
-else:  # pragma: no cover
-    from typing_extensions import Self
 
 __all__ = ["DEFAULT_TTL", "Holding", "LeasedLock", "LockStatistics", "validate_timeout"]
 

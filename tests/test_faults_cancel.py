@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -53,12 +52,6 @@ async def _use(side: Side, rng: random.Random) -> None:
 
 
 async def _by_timeout(side: Side, rng: random.Random) -> str:
-    if sys.version_info < (3, 11):  # pragma: no cover - no asyncio.timeout
-        try:
-            await asyncio.wait_for(_use(side, rng), _delay(rng))
-        except asyncio.TimeoutError:
-            return "cancelled"
-        return "completed"
     try:
         async with asyncio.timeout(_delay(rng)) as timeout:
             await _use(side, rng)
