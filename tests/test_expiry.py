@@ -313,3 +313,23 @@ async def test_fences_rise_across_a_restart_with_persistence(
 
 def _kind(name: str) -> str:
     return "rwlock" if name in ("read", "write") else name
+
+
+async def test_an_adopted_holding_keeps_its_keys_as_long_as_its_new_lease(
+    r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis]
+) -> None:
+    """`adopt()` with a longer ttl keeps every key of the lease (fence counter, fences,
+    limit) as long as the adopter's lease, as a renewal does: the expiries set by the short
+    first grant would otherwise end before it."""
+    other = clients()
+    for kind in KINDS:
+        first = side(kind, r, f"a:{kind}", ttl=0.3)
+        second = side(kind, other, f"a:{kind}", ttl=5)
+        assert await first.acquire()
+        await second.adopt(first.detach())
+        left = await lock_keys(r)
+        kept = {key: ms for key, ms in left.items() if not key.endswith((":owner", ":writer"))}
+        assert kept and all(5_000 < ms <= 6_000 for ms in kept.values()), (kind, left)
+        await second.release()
+        assert all(0 < pttl <= 6_000 for pttl in (await lock_keys(r)).values())
+        await r.flushall()
