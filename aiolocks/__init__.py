@@ -14,6 +14,10 @@ from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._holding import LockStatistics as LockStatistics
+from .election import ElectionInfo as ElectionInfo
+from .election import LeaderInfo as LeaderInfo
+from .election import RedisElection as RedisElection
+from .election import Term as Term
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
@@ -26,6 +30,8 @@ from .semaphore import RedisSemaphore as RedisSemaphore
 from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
+    "ElectionInfo",
+    "LeaderInfo",
     "LimitMismatch",
     "LockError",
     "LockLost",
@@ -37,6 +43,7 @@ __all__ = (
     "NotReplicated",
     "RWLockInfo",
     "ReadLock",
+    "RedisElection",
     "RedisMutex",
     "RedisReadWriteLock",
     "RedisRegistry",
@@ -44,6 +51,7 @@ __all__ = (
     "RegistryStatistics",
     "SemaphoreInfo",
     "ServerUnavailable",
+    "Term",
     "WriteLock",
 )
 
