@@ -26,6 +26,7 @@ _MODULES = {
     "list": "_list",
     "release": "_release",
     "demo": "_demo",
+    "run": "_run",
     "bench": "_bench",
 }
 
@@ -49,11 +50,14 @@ def main(
         sys.stdout if stdout is None else stdout,
         sys.stderr if stderr is None else stderr,
     )
+    argv, command = _split_command(sys.argv[1:] if argv is None else argv)
     try:
         with contextlib.redirect_stdout(io.stdout), contextlib.redirect_stderr(io.stderr):
             args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help, --version, or a usage error argparse explained
         return exit.code if isinstance(exit.code, int) else 2
+    if command is not None:
+        args.cmd = command
     try:
         return asyncio.run(_command(args.command)(args, io))
     except CliError as error:
@@ -62,3 +66,13 @@ def main(
     except KeyboardInterrupt:
         print("aiolocks: interrupted", file=io.stderr, flush=True)
         return 130
+
+
+def _split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """`run ... -- CMD ARGS`: everything after the first `--` is CMD's, untouched (argparse
+    would read CMD's own options, or refuse the `--` after a subcommand)."""
+    argv = list(argv)
+    if "--" in argv and "run" in argv[: argv.index("--")]:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1 :]
+    return argv, None
