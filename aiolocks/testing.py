@@ -55,7 +55,8 @@ __all__ = [
     "expire_leases",
 ]
 
-Lock = RedisMutex | RedisSemaphore | ReadLock | WriteLock | Term | RedisElection
+Lock = RedisMutex | RedisSemaphore | ReadLock | WriteLock
+Leased = Lock | Term | RedisElection  # what the expire helpers take
 
 _EXPIRE = load("testing_expire")
 
@@ -97,7 +98,7 @@ async def aiolocks_fakeredis() -> AsyncIterator[redis.asyncio.Redis]:
         await client.aclose()
 
 
-async def expire_lease(lock: Lock, *, timeout: float = 5.0) -> None:
+async def expire_lease(lock: Leased, *, timeout: float = 5.0) -> None:
     """End the current task's lease on `lock` now and wait (at most `timeout` seconds)
     until aiolocks has reported it lost. `LockNotOwned` if the task holds nothing."""
     leased = _as_leased(lock)
@@ -116,7 +117,7 @@ async def expire_lease(lock: Lock, *, timeout: float = 5.0) -> None:
     await anyio.lowlevel.checkpoint()
 
 
-async def expire_leases(lock: Lock) -> int:
+async def expire_leases(lock: Leased) -> int:
     """End every lease held on `lock`'s name (any holder, any process; an election's
     leader); return how many. Holders are told at their next renewal, within ttl/3."""
     return await _end(lock, "")
@@ -135,7 +136,7 @@ def _as_leased(lock: object) -> LeasedLock:
     return lock
 
 
-async def _end(lock: Lock | LeasedLock, token: str) -> int:
+async def _end(lock: Leased | LeasedLock, token: str) -> int:
     leased = _as_leased(lock)
     with map_redis_errors(leased.name):
         ended = await context_for(leased._client).run(_EXPIRE, leased._spec.renew_keys, (token,))

@@ -304,7 +304,7 @@ async def test_observers_share_one_subscription_and_do_not_poll(
     # One read served all twenty (plus the notifier's one question about pub/sub).
     assert context.commands_sent <= 2
     channel = "aiolocks:election:{scheduler}:wake"
-    sharded = await r.execute_command("PUBSUB", "SHARDNUMSUB", channel)  # [channel, n]
+    sharded = await r.execute_command("PUBSUB", "SHARDNUMSUB", channel)  # type: ignore[no-untyped-call]
     plain = await r.pubsub_numsub(channel)  # [(channel, n)]
     assert int(sharded[1]) + int(plain[0][1]) == 1
 
