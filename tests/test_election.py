@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
+from _cli import cli
 from _faults import close_client
 from _probes import QueueProbe
 from _workers import ROOT, Spawn
@@ -411,3 +412,69 @@ async def test_cancellation_at_any_await_leaves_nothing(
         assert not _hubs.get(context), "an observer was left subscribed"
         async with election.campaign("after", timeout=BOUND) as term:  # still works
             assert isinstance(term, Term)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["valkey-notify"], indirect=True)
+async def test_cli_inspect_list_and_release_show_elections(
+    url: str, r: redis.asyncio.Redis, clients: Callable[[], Any], tasks: Tasks
+) -> None:
+    election = RedisElection(r, "scheduler", ttl=30)
+    finished: list[bool] = []
+    with pytest.raises(LockLost) as caught:  # the release below took it away
+        await _cli_scenario(url, election, clients, tasks, finished)
+    # The body ran to its end: no failure in it was turned into LockLost.
+    assert finished == [True], repr(caught.value.__cause__)
+    assert await keys_left(r, "scheduler") == {"fence"}
+
+
+async def _cli_scenario(
+    url: str,
+    election: RedisElection,
+    clients: Callable[[], Any],
+    tasks: Tasks,
+    finished: list[bool],
+) -> None:
+    async with election.campaign("replica-a") as term:
+        await term.proclaim("replica-a v2")
+        queued = []
+        candidates = []
+        for value in ("replica-b", "replica-c"):
+            client = clients()
+            probe = QueueProbe(client)
+            candidates.append(await tasks.queued(probe, _elected_value(client, value)))
+            queued.append((probe.queued[0], value))
+
+        ran = await cli("inspect", "scheduler", "--url", url, "--json")
+        assert ran.code == 0, ran.err
+        view = ran.json()
+        assert (view["kind"], view["state"]) == ("election", "led by 'replica-a v2'")
+        assert view["summary"]["term"] == term.fencing_token
+        assert view["summary"]["candidates"] == 2
+        [leader] = view["holders"]
+        assert (leader["value"], leader["fence"]) == ("replica-a v2", term.fencing_token)
+        assert 0 < leader["lease_remaining_ms"] <= 30_000
+        assert [(w["token"], w["value"]) for w in view["queue"]] == queued
+
+        table = await cli("inspect", "scheduler", "--url", url)
+        assert table.code == 0 and "replica-b" in table.out and "candidates" in table.out
+        listing = await cli("list", "--url", url, "--json")
+        assert [(row["kind"], row["state"]) for row in listing.json()] == [
+            ("election", "led by 'replica-a v2'")
+        ]
+        watcher = Watch(election, tasks)
+        await watcher.until(1)
+        released = await cli("release", "scheduler", "--force", "--yes", "--url", url)
+        assert released.code == 0, released.err
+        assert f"handed to {queued[0][0]}" in released.out
+        # replica-b was elected and resigned at once (it returns), then replica-c.
+        assert await asyncio.wait_for(asyncio.gather(*candidates), BOUND) == [
+            "replica-b",
+            "replica-c",
+        ]
+        await watcher.until_seen(None, since=1)
+        values = [seen[0] for seen in watcher.seen[1:] if seen is not None]
+        assert values == ["replica-b", "replica-c"], watcher.seen
+        finished.append(True)
