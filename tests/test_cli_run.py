@@ -75,13 +75,29 @@ async def start(url: str) -> AsyncIterator[Callable[..., Any]]:
             await run.proc.communicate()
 
 
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie left to a parent that does not reap (PID 1 in some containers)."""
+async def _dead(pid: int) -> bool:
+    """True once process `pid` has exited (a zombie included: its parent may be a PID 1 that
+    does not reap), woken by its pidfd, within BOUND."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
         return True
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await asyncio.wait_for(exited, BOUND)
+        return True
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 def child(mode: str = "polite") -> list[str]:
@@ -141,7 +157,7 @@ async def test_a_lost_lease_sends_sigterm_then_sigkill_and_exits_79(
     status, err = await run.finish()  # ... then SIGKILL after the grace
     assert status == 79
     assert err.count("\n") == 1 and "lost the lease of mutex 'nightly'" in err, err
-    assert _dead(pid)
+    assert await _dead(pid)
 
 
 @ONE_SERVER
@@ -176,7 +192,7 @@ async def test_cmd_dies_with_aiolocks_run_and_the_lease_ends_by_its_ttl(
     assert status == -signal.SIGKILL
     assert run.proc.stdout is not None
     assert await asyncio.wait_for(run.proc.stdout.read(), BOUND) == b""  # CMD's pipe closed
-    assert _dead(pid)
+    assert await _dead(pid)
     # Nobody released it: the lease ends by its ttl, and the next one gets it then.
     assert await RedisMutex(r, "nightly").acquire(timeout=1 + BOUND)
 

@@ -17,6 +17,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from .._errors import LimitMismatch, LockLost
 from .._holding import LeasedLock
@@ -48,6 +49,15 @@ def _in_own_group() -> None:
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _on_signal(
+    loop: asyncio.AbstractEventLoop, signum: int, handler: Callable[[int], None]
+) -> None:
+    """Handle `signum` on the loop; possible only in the main thread (`main()` called from
+    another thread, as tests do, forwards no signals)."""
+    with contextlib.suppress(ValueError, RuntimeError):
+        loop.add_signal_handler(signum, handler, signum)
+
+
 def _status(returncode: int) -> int:
     """CMD's exit status as a shell reports it (128 + N when killed by signal N)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -74,7 +84,7 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         main.cancel()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop, signum)
+        _on_signal(loop, signum, stop)
     try:
         async with connected(server_url(args.url), args.connect_timeout) as client:
             lock: LeasedLock
@@ -103,7 +113,8 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         return 128 + received[0]
     finally:
         for signum in _FORWARDED:
-            loop.remove_signal_handler(signum)
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_signal_handler(signum)
 
 
 async def _hold_while_running(
@@ -123,7 +134,7 @@ async def _hold_while_running(
             os.killpg(process.pid, signum)
 
     for signum in _FORWARDED:
-        loop.add_signal_handler(signum, forward, signum)
+        _on_signal(loop, signum, forward)
     exited = asyncio.ensure_future(process.wait())
     gone = asyncio.ensure_future(lock.lost.wait())
     try:
