@@ -31,6 +31,7 @@ class Run:
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self.out = ""
 
     async def line(self) -> str:
         assert self.proc.stdout is not None
@@ -44,8 +45,9 @@ class Run:
         await self.proc.stdin.drain()
 
     async def finish(self) -> tuple[int, str]:
-        """Its exit status and its stderr."""
-        _, err = await asyncio.wait_for(self.proc.communicate(), BOUND)
+        """Its exit status and its stderr (the rest of stdout goes to `out`)."""
+        out, err = await asyncio.wait_for(self.proc.communicate(), BOUND)
+        self.out = out.decode()
         assert self.proc.returncode is not None
         return self.proc.returncode, err.decode()
 
@@ -129,7 +131,7 @@ async def test_not_acquired_exits_75_without_starting_cmd(
             status, err = await run.finish()
             assert status == 75
             assert err.count("\n") == 1 and "mutex 'nightly' not acquired" in err, err
-            assert run.proc.stdout is not None and await run.proc.stdout.read() == b""
+            assert run.out == ""  # CMD never started
         assert (await mutex.inspect()).queue_length == 0  # the timed-out one left the queue
 
 
@@ -190,9 +192,7 @@ async def test_cmd_dies_with_aiolocks_run_and_the_lease_ends_by_its_ttl(
     run.proc.kill()
     status, _ = await run.finish()
     assert status == -signal.SIGKILL
-    assert run.proc.stdout is not None
-    assert await asyncio.wait_for(run.proc.stdout.read(), BOUND) == b""  # CMD's pipe closed
-    assert await _dead(pid)
+    assert await _dead(pid)  # killed with its parent (its stdout, shared, was closed too)
     # Nobody released it: the lease ends by its ttl, and the next one gets it then.
     assert await RedisMutex(r, "nightly").acquire(timeout=1 + BOUND)
 
@@ -211,3 +211,30 @@ async def test_cmd_that_cannot_run_and_usage_errors(
     run = await start("nightly", "--timeout", "-1", cmd=child())
     status, err = await run.finish()
     assert status == 2 and "--timeout" in err
+
+
+@ONE_SERVER  # keyspace notifications on: the test sees the waiter queue up
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_a_signal_while_waiting_ends_the_wait_and_leaves_no_entry(
+    r: redis.asyncio.Redis, start: Callable[..., Any], signum: int
+) -> None:
+    mutex = RedisMutex(r, "nightly", ttl=30)
+    async with mutex:
+        pubsub = r.pubsub()
+        await pubsub.subscribe("__keyspace@0__:aiolocks:mutex:{nightly}:queue")
+        try:
+            run = await start("nightly", cmd=child())
+
+            async def queued() -> None:
+                async for message in pubsub.listen():
+                    if message["type"] == "message" and message["data"] == b"rpush":
+                        return
+
+            await asyncio.wait_for(queued(), BOUND)
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+        run.proc.send_signal(signum)
+        status, err = await run.finish()
+        assert (status, err) == (128 + signum, "")
+        assert run.out == ""  # CMD never started
+        assert (await mutex.inspect()).queue_length == 0

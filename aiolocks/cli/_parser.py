@@ -15,11 +15,11 @@ __all__ = ["build_parser"]
 
 _DESCRIPTION = """\
 Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
-(SCAN, never KEYS), force-release a stuck one (its waiters are woken), run the demo or the
-benchmarks. Works with a single server (or a Sentinel-managed primary by its address), not
-a Redis Cluster.
+(SCAN, never KEYS), force-release a stuck one (its waiters are woken), run a command while
+holding one, run the demo or the benchmarks. Works with a single server (or a
+Sentinel-managed primary by its address), not a Redis Cluster.
 
-exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable
+exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable (run: see its help)
 """
 
 
