@@ -7,7 +7,9 @@ if redis.call('HGET', leader, 'token') ~= token then
   return {0}
 end
 redis.call('HSET', leader, 'value', value)
-local rev = redis.call('HINCRBY', leader, 'rev', 1)
+-- HGET + HSET rather than HINCRBY: the README's least-privilege ACL lists no HINCRBY.
+local rev = tonumber(redis.call('HGET', leader, 'rev') or 0) + 1
+redis.call('HSET', leader, 'rev', rev)
 local fence = redis.call('HGET', leader, 'fence')
 announce_leader(channel, token, fence, math.max(0, redis.call('PTTL', leader)), rev, value)
 return {1, rev}
