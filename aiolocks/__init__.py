@@ -13,11 +13,13 @@ from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
+from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
 from .election import ElectionInfo as ElectionInfo
 from .election import LeaderInfo as LeaderInfo
 from .election import RedisElection as RedisElection
 from .election import Term as Term
+from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
@@ -34,6 +36,7 @@ __all__ = (
     "LeaderInfo",
     "LimitMismatch",
     "LockError",
+    "LockHandle",
     "LockLost",
     "LockNotOwned",
     "LockReentry",
@@ -44,6 +47,7 @@ __all__ = (
     "RWLockInfo",
     "ReadLock",
     "RedisElection",
+    "RedisMultiLock",
     "RedisMutex",
     "RedisReadWriteLock",
     "RedisRegistry",

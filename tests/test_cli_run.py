@@ -95,7 +95,7 @@ async def _dead(pid: int) -> bool:
     try:
         await asyncio.wait_for(exited, BOUND)
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     finally:
         loop.remove_reader(fd)

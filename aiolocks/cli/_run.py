@@ -152,7 +152,7 @@ async def _hold_while_running(
         forward(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(exited), args.grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             forward(signal.SIGKILL)
             await exited
     status = _status(exited.result())
