@@ -15,6 +15,10 @@ from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
+from .election import ElectionInfo as ElectionInfo
+from .election import LeaderInfo as LeaderInfo
+from .election import RedisElection as RedisElection
+from .election import Term as Term
 from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
@@ -28,6 +32,8 @@ from .semaphore import RedisSemaphore as RedisSemaphore
 from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
+    "ElectionInfo",
+    "LeaderInfo",
     "LimitMismatch",
     "LockError",
     "LockHandle",
@@ -40,6 +46,7 @@ __all__ = (
     "NotReplicated",
     "RWLockInfo",
     "ReadLock",
+    "RedisElection",
     "RedisMultiLock",
     "RedisMutex",
     "RedisReadWriteLock",
@@ -48,6 +55,7 @@ __all__ = (
     "RegistryStatistics",
     "SemaphoreInfo",
     "ServerUnavailable",
+    "Term",
     "WriteLock",
 )
 

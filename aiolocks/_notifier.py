@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from ._leases import cancelling
 from ._scripts import Script, load
 from ._waitqueue import WaitQueue
 
-__all__ = ["Notifier"]
+__all__ = ["Hint", "Listener", "Notifier"]
 
 log = logging.getLogger("aiolocks")
 
@@ -42,6 +43,17 @@ _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 _PUBSUB_MODE = load("pubsub_mode")
 
 RunScript = Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]
+
+
+class Hint(enum.Enum):
+    """What a listener of a channel is told (see `Notifier.listen`)."""
+
+    MESSAGE = "message"  # a message on the channel (its payload is given)
+    GONE = "gone"  # a keyspace del/expired/evicted event on the channel's watched key
+    RESYNC = "resync"  # messages may have been lost (a reconnect, a slot move): re-read
+
+
+Listener = Callable[[Hint, bytes], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +111,31 @@ class Notifier:
         self._db = 0 if self._cluster else _db_of(client)
         self._facts: asyncio.Future[_ServerFacts] | None = None
         self._sharded = False  # set from the facts before the first subscription
+        # Besides waiters, whoever must see every event of a channel (election observers).
+        self._listeners: dict[bytes, list[Listener]] = {}
+
+    def listen(self, wake: bytes, listener: Listener) -> None:
+        """Call `listener` on every event of `wake` (it must also `retain` the channel)."""
+        self._listeners.setdefault(wake, []).append(listener)
+
+    def unlisten(self, wake: bytes, listener: Listener) -> None:
+        listeners = self._listeners.get(wake, [])
+        if listener in listeners:
+            listeners.remove(listener)
+        if not listeners:
+            self._listeners.pop(wake, None)
+
+    def _tell(self, wake: bytes, hint: Hint, payload: bytes = b"") -> None:
+        for listener in list(self._listeners.get(wake, ())):
+            try:
+                listener(hint, payload)
+            except Exception:  # a listener must never stop the reader
+                log.exception("aiolocks: a listener of %r failed", wake)
+
+    def _recheck(self, wake: bytes) -> None:
+        """Messages of `wake` may have been lost: waiters re-check, listeners re-read."""
+        self._waitqueue.recheck_all(wake)
+        self._tell(wake, Hint.RESYNC)
 
     def watching(self, wake: bytes) -> bool:
         """True when grants on `wake` are known to reach this process."""
@@ -309,7 +346,7 @@ class Notifier:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(connection.disconnect(), 1.0)
                 for channel in self._routed(link):
-                    self._waitqueue.recheck_all(channel.wake)
+                    self._recheck(channel.wake)
                 if self._cluster:
                     self._reroute(link)  # the node may be gone, its slots moved
                 await asyncio.sleep(delay)  # reconnect back-off, not a poll of a lock
@@ -362,15 +399,17 @@ class Notifier:
             payload = _as_bytes(data)
             if name in self._channels:
                 self._on_grant(name, payload)
+                self._tell(name, Hint.MESSAGE, payload)
             elif name in self._by_keyspace and payload in _GONE:
                 self._waitqueue.recheck_first(self._by_keyspace[name])
+                self._tell(self._by_keyspace[name], Hint.GONE)
         elif kind == b"sunsubscribe":
             channel = self._channels.get(name)
             if channel is not None and channel.link is link and channel.confirmed is not None:
                 # Not asked for (ours come after the channel is forgotten): the server
                 # dropped it because its slot moved to another node. Messages may be
                 # lost: re-check, and subscribe again where the slot is now.
-                self._waitqueue.recheck_all(name)
+                self._recheck(name)
                 channel.confirmed = None
                 if channel.refs > 0:
                     self._spawn(self._follow_slot(channel))
@@ -380,7 +419,7 @@ class Notifier:
             if channel is None or wake != name or channel.confirmed is None:
                 return
             if channel.confirmed.done():
-                self._waitqueue.recheck_all(wake)  # re-subscribed after a reconnect
+                self._recheck(wake)  # re-subscribed after a reconnect
             else:
                 channel.confirmed.set_result(None)
 
@@ -403,15 +442,16 @@ class Notifier:
                 log.debug("aiolocks: re-subscribe to %r failed: %r", channel.wake, exc)
                 channel.confirmed = None
             else:
-                self._waitqueue.recheck_all(channel.wake)  # what was sent meanwhile is lost
+                self._recheck(channel.wake)  # what was sent meanwhile is lost
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         task.add_done_callback(_ignore_result)
 
     def _on_grant(self, wake: bytes, payload: bytes) -> None:
-        parts = payload.split(b" ")
-        if len(parts) != 3:
+        # "<token> <fence> <ttl_ms>", maybe followed by more for listeners (an election's).
+        parts = payload.split(b" ", 3)
+        if len(parts) < 3:
             return
         token, fence, ttl = parts[0].decode(), int(parts[1]), int(parts[2])
         lot = self._waitqueue.lot(wake)

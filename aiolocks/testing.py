@@ -18,9 +18,10 @@ Fixtures (the async ones need pytest-asyncio, in `auto` or `strict` mode):
 
 Helpers, to test what your code does when a lease is lost:
 
-- `await expire_lease(lock)`: end the current task's lease on `lock` now, as if it had run
-  out, and return once aiolocks has reported the loss (the `lost` event is set, `on_lost`
-  called; inside `async with lock` the body is cancelled and `LockLost` raised).
+- `await expire_lease(lock)`: end the current task's lease on `lock` (or an election's
+  `Term`) now, as if it had run out, and return once aiolocks has reported the loss (the
+  `lost` event is set, `on_lost` called; inside `async with lock` the body is cancelled and
+  `LockLost` raised).
 - `await expire_leases(lock)`: end every lease held on `lock`'s name, by any task or
   process; the holders find out at their next renewal (within ttl/3). Returns how many.
 """
@@ -41,6 +42,7 @@ from ._embedded import start_embedded_server
 from ._errors import LockNotOwned, map_redis_errors
 from ._holding import LeasedLock
 from ._scripts import load
+from .election import RedisElection, Term
 from .mutex import RedisMutex
 from .rwlock import ReadLock, WriteLock
 from .semaphore import RedisSemaphore
@@ -54,6 +56,7 @@ __all__ = [
 ]
 
 Lock = RedisMutex | RedisSemaphore | ReadLock | WriteLock
+Leased = Lock | Term | RedisElection  # what the expire helpers take
 
 _EXPIRE = load("testing_expire")
 
@@ -95,11 +98,11 @@ async def aiolocks_fakeredis() -> AsyncIterator[redis.asyncio.Redis]:
         await client.aclose()
 
 
-async def expire_lease(lock: Lock, *, timeout: float = 5.0) -> None:
+async def expire_lease(lock: Leased, *, timeout: float = 5.0) -> None:
     """End the current task's lease on `lock` now and wait (at most `timeout` seconds)
     until aiolocks has reported it lost. `LockNotOwned` if the task holds nothing."""
     leased = _as_leased(lock)
-    holding = leased._current()
+    holding = lock._holding if isinstance(lock, Term) else leased._current()
     if holding is None:
         raise LockNotOwned(leased.name, "the current task does not hold it")
     await _end(leased, holding.token)
@@ -114,22 +117,26 @@ async def expire_lease(lock: Lock, *, timeout: float = 5.0) -> None:
     await anyio.lowlevel.checkpoint()
 
 
-async def expire_leases(lock: Lock) -> int:
-    """End every lease held on `lock`'s name (any holder, any process); return how many.
-    Holders are told at their next renewal, within ttl/3."""
+async def expire_leases(lock: Leased) -> int:
+    """End every lease held on `lock`'s name (any holder, any process; an election's
+    leader); return how many. Holders are told at their next renewal, within ttl/3."""
     return await _end(lock, "")
 
 
 def _as_leased(lock: object) -> LeasedLock:
+    if isinstance(lock, Term):
+        return lock._candidacy
+    if isinstance(lock, RedisElection):
+        return lock._probe
     if not isinstance(lock, LeasedLock):
         raise TypeError(
-            "expected a RedisMutex, RedisSemaphore or one side of a RedisReadWriteLock "
-            f"(rw.read() / rw.write()), not {type(lock).__name__}"
+            "expected a RedisMutex, RedisSemaphore, one side of a RedisReadWriteLock "
+            f"(rw.read() / rw.write()), a RedisElection or a Term, not {type(lock).__name__}"
         )
     return lock
 
 
-async def _end(lock: Lock | LeasedLock, token: str) -> int:
+async def _end(lock: Leased | LeasedLock, token: str) -> int:
     leased = _as_leased(lock)
     lease_key = leased._spec.renew_keys[:1]  # the owner key or holders set, not the fence
     with map_redis_errors(leased.name):

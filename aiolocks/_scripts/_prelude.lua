@@ -75,7 +75,7 @@ local function split_member(member)
   return token, ttl, tag, kind
 end
 
--- Drop queue entries whose heartbeat deadline has passed.
+-- Drop queue entries whose heartbeat deadline has passed; returns the members dropped.
 local function purge_dead(queue, waiters, now)
   local dead = redis.call('ZRANGEBYSCORE', waiters, '-inf', '(' .. now)
   if #dead > 0 then
@@ -84,6 +84,7 @@ local function purge_dead(queue, waiters, now)
     end
     redis.call('ZREMRANGEBYSCORE', waiters, '-inf', '(' .. now)
   end
+  return dead
 end
 
 -- Remove one member from the queue; returns true when it was queued.

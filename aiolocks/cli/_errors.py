@@ -3,9 +3,24 @@
 
 from __future__ import annotations
 
-__all__ = ["EXIT_OK", "CliError", "NotFound", "Refused", "Unreachable", "UsageError"]
+__all__ = [
+    "EXIT_LEASE_LOST",
+    "EXIT_NOT_ACQUIRED",
+    "EXIT_OK",
+    "CliError",
+    "NotFound",
+    "Refused",
+    "Unreachable",
+    "UsageError",
+]
 
 EXIT_OK = 0
+# `aiolocks run`: the lock was not acquired within --timeout (EX_TEMPFAIL: try later); CMD
+# was not started.
+EXIT_NOT_ACQUIRED = 75
+# `aiolocks run`: the lease was lost while CMD ran. Not one of sysexits' 64-78 (which
+# programs do use), nor 1, 2, 126, 127 or 128 + a signal number.
+EXIT_LEASE_LOST = 79
 
 
 class CliError(Exception):

@@ -30,6 +30,7 @@ _MODULES = {
     "list": "_list",
     "release": "_release",
     "demo": "_demo",
+    "run": "_run",
     "bench": "_bench",
 }
 
@@ -60,11 +61,14 @@ def main(
 
 
 def _run(argv: Sequence[str] | None, io: Streams) -> int:
+    argv, command = _split_command(sys.argv[1:] if argv is None else argv)
     try:
         with contextlib.redirect_stdout(io.stdout), contextlib.redirect_stderr(io.stderr):
             args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help, --version, or a usage error argparse explained
         return exit.code if isinstance(exit.code, int) else 2
+    if command is not None:
+        args.cmd = command
     try:
         return asyncio.run(_command(args.command)(args, io))
     except CliError as error:
@@ -91,3 +95,13 @@ def _reader_gone(io: Streams) -> int:
                 os.dup2(devnull, stream.fileno())
                 os.close(devnull)
     return EXIT_CLOSED_PIPE
+
+
+def _split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """`run ... -- CMD ARGS`: everything after the first `--` is CMD's, untouched (argparse
+    would read CMD's own options, or refuse the `--` after a subcommand)."""
+    argv = list(argv)
+    if "--" in argv and "run" in argv[: argv.index("--")]:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1 :]
+    return argv, None

@@ -8,17 +8,18 @@ import math
 from .. import __version__
 from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._connect import DEFAULT_CONNECT_TIMEOUT, DEFAULT_URL
+from ._errors import EXIT_LEASE_LOST, EXIT_NOT_ACQUIRED
 from ._scan import KINDS
 
 __all__ = ["build_parser"]
 
 _DESCRIPTION = """\
 Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
-(SCAN, never KEYS), force-release a stuck one (its waiters are woken), run the demo or the
-benchmarks. Works with a single server (or a Sentinel-managed primary by its address), not
-a Redis Cluster.
+(SCAN, never KEYS), force-release a stuck one (its waiters are woken), run a command while
+holding one, run the demo or the benchmarks. Works with a single server (or a
+Sentinel-managed primary by its address), not a Redis Cluster.
 
-exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable
+exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable (run: see its help)
 """
 
 
@@ -43,6 +44,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -173,6 +184,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="first run the workers without the lock (default on)",
     )
+
+    run = commands.add_parser(
+        "run",
+        parents=[server, lock],
+        help="run a command only while holding a lock (like flock(1), across hosts)",
+        description="Acquire the lock NAME (a RedisMutex, or a RedisSemaphore with "
+        "--limit), run CMD while holding it, release it when CMD exits. Exit status: CMD's; "
+        f"{EXIT_NOT_ACQUIRED} if not acquired within --timeout (CMD not started); "
+        f"{EXIT_LEASE_LOST} if the lease was lost while CMD ran (CMD got SIGTERM, then SIGKILL "
+        "after --grace); 2 usage; 3 server unreachable. SIGINT, SIGTERM, SIGHUP, SIGQUIT, "
+        "SIGUSR1 and SIGUSR2 are forwarded to CMD's process group.",
+    )
+    run.add_argument("name", type=_name, metavar="NAME")
+    run.add_argument("--limit", type=_positive, metavar="N", help="a semaphore of N permits")
+    run.add_argument(
+        "--ttl", type=_seconds, default=30.0, metavar="S", help="the lease (default 30)"
+    )
+    run.add_argument(
+        "--timeout",
+        type=_seconds_or_zero,
+        metavar="S",
+        help=f"exit {EXIT_NOT_ACQUIRED} if not acquired within S s; 0: one try (default: wait)",
+    )
+    run.add_argument(
+        "--grace",
+        type=_seconds_or_zero,
+        default=10.0,
+        metavar="S",
+        help="on a lost lease, SIGKILL this long after SIGTERM (default 10)",
+    )
+    run.add_argument("cmd", nargs="*", metavar="-- CMD [ARGS...]")
 
     bench = commands.add_parser(
         "bench",

@@ -16,6 +16,7 @@ import redis.asyncio
 
 from .._acquire import Spec
 from .._context import context_for
+from ..election import RedisElection
 from ..mutex import RedisMutex
 from ..rwlock import RedisReadWriteLock
 from ..semaphore import RedisSemaphore, SemaphoreInfo
@@ -86,6 +87,8 @@ def _spec(client: redis.asyncio.Redis, view: View, side: str) -> Spec:
     """The keys and release script of the primitive (of the holder's side)."""
     if view.kind == "mutex":
         return RedisMutex(client, view.name, prefix=view.prefix)._spec
+    if view.kind == "election":
+        return RedisElection(client, view.name, prefix=view.prefix)._probe._spec
     if view.kind == "semaphore":
         assert isinstance(view.info, SemaphoreInfo)
         # The release script hands permits on under the stored limit; this one is unused.

@@ -8,6 +8,7 @@ from typing import TextIO
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
+from ..election import ElectionInfo
 from ..mutex import MutexInfo
 from ..rwlock import RWLockInfo
 from ..semaphore import SemaphoreInfo
@@ -43,6 +44,13 @@ def _facts(info: Info) -> list[tuple[str, str]]:
             ("queue", f"{info.queue_length} waiting"),
             ("fence", str(info.fence)),
         ]
+    if isinstance(info, ElectionInfo):
+        return [
+            ("term", "-" if info.term is None else str(info.term)),
+            ("lease left", duration(info.lease_remaining_ms)),
+            ("candidates", f"{info.candidates} waiting"),
+            ("fence", str(info.fence)),
+        ]
     if isinstance(info, RWLockInfo):
         return [
             ("readers", str(info.readers)),
@@ -68,14 +76,18 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
         return Group(*parts)
 
     sided = view.kind == "rwlock"  # the only kind whose holders and waiters differ in side
+    valued = view.kind == "election"  # leader and candidates have values
     holders = Table(title="holders", title_justify="left")
     holders.add_column("token", no_wrap=True)
     if sided:
         holders.add_column("side")
+    if valued:
+        holders.add_column("value")
     holders.add_column("fence", justify="right")
     holders.add_column("lease left", justify="right", no_wrap=True)
     for holder in view.holders:
         side = [_SIDES.get(holder.side, holder.side)] if sided else []
+        side += [holder.value or ""] if valued else []
         fence = "-" if holder.fence is None else str(holder.fence)
         holders.add_row(
             _named(holder.token, labels), *side, fence, duration(holder.lease_remaining_ms)
@@ -89,11 +101,14 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
     queue.add_column("token", no_wrap=True)
     if sided:
         queue.add_column("side")
+    if valued:
+        queue.add_column("value")
     queue.add_column("client", no_wrap=True)
     queue.add_column("seen", justify="right", no_wrap=True)  # its last heartbeat
     queue.add_column("expires", justify="right", no_wrap=True)
     for waiter in view.queue:
         side = [_SIDES.get(waiter.side, waiter.side)] if sided else []
+        side += [waiter.value or ""] if valued else []
         seen = waiter.heartbeat_age_ms
         queue.add_row(
             str(waiter.position),
@@ -130,6 +145,8 @@ def list_table(rows: Sequence[tuple[str, Info]], match: str) -> Table:
 def _counts(info: Info) -> tuple[str, str, str]:
     if isinstance(info, MutexInfo):
         return str(int(info.owner is not None)), str(info.queue_length), str(info.fence)
+    if isinstance(info, ElectionInfo):
+        return str(int(info.leader is not None)), str(info.candidates), str(info.fence)
     if isinstance(info, SemaphoreInfo):
         return str(info.holders), str(info.queue_length), str(info.fence)
     if isinstance(info, RWLockInfo):

@@ -19,6 +19,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "mutex": ("owner", "queue", "waiters", "fence"),
     "semaphore": ("holders", "queue", "waiters", "fence", "fences", "limit"),
     "rwlock": ("writer", "readers", "queue", "waiters", "fence", "fences"),
+    "election": ("leader", "queue", "waiters", "fence", "candidates"),
     "registry": ("ids", "names", "counter"),
 }
 KINDS = tuple(PARTS)

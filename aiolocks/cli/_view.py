@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio
 
 from .._keys import KeySpace
+from ..election import ElectionInfo, RedisElection
 from ..mutex import MutexInfo, RedisMutex
 from ..registry import RedisRegistry
 from ..rwlock import RedisReadWriteLock, RWLockInfo
@@ -48,7 +49,7 @@ class RegistryInfo:
     names: int  # names registered (= the highest id)
 
 
-Info = MutexInfo | SemaphoreInfo | RWLockInfo | RegistryInfo
+Info = MutexInfo | SemaphoreInfo | RWLockInfo | ElectionInfo | RegistryInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class Holder:
     side: str  # 'x' exclusive (mutex, semaphore permit), 'r' reader, 'w' writer
     fence: int | None
     lease_remaining_ms: int  # <= 0: the lease has ended (not yet purged)
+    value: str | None = None  # an election's leader: the value it proclaimed
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class Waiter:
     live: bool  # its liveness deadline has not passed
     heartbeat_age_ms: int | None  # since its last heartbeat, on the server's clock
     expires_in_ms: int | None  # until its deadline, unless heartbeated again
+    value: str | None = None  # an election's candidate: the value it campaigns with
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +101,16 @@ class View:
             "prefix": self.prefix,
             "state": self.state,
             "summary": summary(self.info),
-            "holders": [dataclasses.asdict(holder) for holder in self.holders],
-            "queue": [dataclasses.asdict(waiter) for waiter in self.queue],
+            "holders": [self._fields(holder) for holder in self.holders],
+            "queue": [self._fields(waiter) for waiter in self.queue],
             "server_time_ms": self.server_time_ms,
         }
+
+    def _fields(self, row: Holder | Waiter) -> dict[str, Any]:
+        fields = dataclasses.asdict(row)
+        if self.kind != "election":
+            del fields["value"]  # only elections have values
+        return fields
 
 
 def summary(info: Info) -> dict[str, Any]:
@@ -122,6 +131,8 @@ def state_of(info: Info) -> str:
         if info.writer is not None:
             return "write-held"
         return f"read-held x{info.readers}" if info.readers else "free"
+    if isinstance(info, ElectionInfo):
+        return f"led by {info.value!r}" if info.leader is not None else "vacant"
     return f"{info.names} names"
 
 
@@ -134,6 +145,8 @@ async def info_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str
         return await RedisSemaphore(client, name, limit=1, prefix=prefix).inspect()
     if kind == "rwlock":
         return await RedisReadWriteLock(client, name, prefix=prefix).inspect()
+    if kind == "election":
+        return await RedisElection(client, name, prefix=prefix).inspect()
     if kind == "registry":
         return RegistryInfo(name, await RedisRegistry(client, name, prefix=prefix).count())
     raise ValueError(f"unknown kind {kind!r}")
@@ -157,6 +170,10 @@ async def view_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str
     elif kind == "semaphore":
         pipe.zrange(keys.key("holders"), 0, -1, withscores=True)
         pipe.hgetall(keys.key("fences"))
+    elif kind == "election":
+        pipe.hgetall(keys.key("leader"))
+        pipe.pttl(keys.key("leader"))
+        pipe.hgetall(keys.key("candidates"))
     else:
         pipe.get(keys.key("writer"))
         pipe.pttl(keys.key("writer"))
@@ -170,6 +187,10 @@ async def view_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str
         holders = _owner(rest[0], rest[1], rest[2], "x")
     elif kind == "semaphore":
         holders = _leases(rest[0], rest[1], now, "x")
+    elif kind == "election":
+        holders = _leader(rest[0], rest[1])
+        values = {_text(token): _text(value) for token, value in rest[2].items()}
+        queue = tuple(dataclasses.replace(w, value=values.get(w.token)) for w in queue)
     else:
         holders = _owner(rest[0], rest[1], rest[2], "w") + _leases(rest[3], rest[4], now, "r")
     return View(kind, name, prefix, info, holders, queue, now)
@@ -188,6 +209,14 @@ def _owner(token: Any, pttl: Any, fence: Any, side: str) -> tuple[Holder, ...]:
     if token is None:
         return ()
     return (Holder(_text(token), side, int(fence or 0), max(0, int(pttl))),)
+
+
+def _leader(fields: dict[Any, Any], pttl: Any) -> tuple[Holder, ...]:
+    leader = {_text(key): _text(value) for key, value in fields.items()}
+    if "token" not in leader:
+        return ()
+    fence = int(leader.get("fence", 0))
+    return (Holder(leader["token"], "x", fence, max(0, int(pttl)), leader.get("value", "")),)
 
 
 def _leases(deadlines: Any, fences: Any, now: int, side: str) -> tuple[Holder, ...]:

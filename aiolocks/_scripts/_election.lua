@@ -1,0 +1,44 @@
+-- Shared by the election scripts (prepended after the prelude).
+-- KEYS[1] leader      HASH  token, value, fence, rev (proclamations this term); PX = lease
+-- KEYS[2] queue       LIST  candidates' members, FIFO
+-- KEYS[3] waiters     ZSET  member -> liveness deadline (server ms)
+-- KEYS[4] fence       STRING the term counter, raised by every election
+-- KEYS[5] candidates  HASH  queued candidate's token -> the value it campaigns with
+-- Every change is announced on the channel, to the candidates (a grant) and to observers:
+--   "<token> <fence> <ttl_ms> L <rev> <value>"  a leader: elected (rev 0) or proclaimed
+--   "- <fence> 0 V"                              vacant: the term <fence> resigned
+-- The first three fields are a grant message (see _notifier.py), so a candidate elected by
+-- another process's script wakes on it; observers read the rest.
+
+local function publish(channel, message)
+  redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel, message)
+end
+
+local function announce_leader(channel, token, fence, ttl, rev, value)
+  publish(channel, token .. ' ' .. fence .. ' ' .. ttl .. ' L ' .. rev .. ' ' .. value)
+end
+
+-- Make `token` the leader for `ttl` ms with `value`; returns its term's fence.
+local function elect(leader, fence_key, channel, token, ttl, value)
+  local fence = grant_fence(fence_key, token)
+  redis.call('DEL', leader)
+  redis.call('HSET', leader, 'token', token, 'value', value, 'fence', fence, 'rev', 0)
+  redis.call('PEXPIRE', leader, ttl)
+  announce_leader(channel, token, fence, ttl, 0, value)
+  return fence
+end
+
+-- Elect the first queued candidate (the caller made sure one is queued): its grant triple.
+local function elect_head(leader, queue, waiters, fence_key, candidates, channel)
+  local token, ttl = pop_head(queue, waiters)
+  local value = redis.call('HGET', candidates, token) or ''
+  redis.call('HDEL', candidates, token)
+  return token, elect(leader, fence_key, channel, token, ttl, value), ttl
+end
+
+-- Purge dead candidates from the queue and forget the values they campaigned with.
+local function purge_candidates(queue, waiters, candidates, now)
+  for _, member in ipairs(purge_dead(queue, waiters, now)) do
+    redis.call('HDEL', candidates, (split_member(member)))
+  end
+end

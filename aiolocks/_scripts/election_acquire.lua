@@ -1,0 +1,41 @@
+-- Campaign: become the leader if nobody leads and no candidate is ahead; else queue.
+-- KEYS as in _election.lua.
+-- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] 'wait' to queue when busy, 'try' not to
+-- ARGV[3] channel   ARGV[4] the value to lead with
+-- Returns {1, fence} when the caller leads (also when it already did: idempotent),
+--         {0, pttl} when queued behind a leader with pttl ms of lease left,
+--         {-1, pttl} when busy and the caller did not queue.
+check_keys({'hash', 'list', 'zset', 'counter', 'hash'})
+local leader, queue, waiters, fence_key, candidates = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local member, mode, channel, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local token, ttl = split_member(member)
+
+local current = redis.call('HGET', leader, 'token')
+if current == token then
+  redis.call('PEXPIRE', leader, ttl)
+  return {1, tonumber(redis.call('HGET', leader, 'fence'))}
+end
+if not current and redis.call('LLEN', queue) == 0 then
+  return {1, elect(leader, fence_key, channel, token, ttl, value)}
+end
+
+purge_candidates(queue, waiters, candidates, now_ms())
+if not current then
+  local head = redis.call('LINDEX', queue, 0)
+  if not head or head == member then
+    if head then
+      dequeue(queue, waiters, member)
+      redis.call('HDEL', candidates, token)
+    end
+    return {1, elect(leader, fence_key, channel, token, ttl, value)}
+  end
+  -- Vacant while others wait ahead (the leader's lease ran out): elect the head.
+  elect_head(leader, queue, waiters, fence_key, candidates, channel)
+end
+
+if mode == 'wait' then
+  enqueue(queue, waiters, member, now_ms() + tonumber(ttl))
+  redis.call('HSET', candidates, token, value)
+  return {0, redis.call('PTTL', leader)}
+end
+return {-1, redis.call('PTTL', leader)}

@@ -1,0 +1,108 @@
+"""A periodic job that runs in exactly one of N replicas: the elected leader.
+
+Run it in several terminals (or on several hosts, with REDIS_URL set)::
+
+    python examples/singleton_scheduler.py replica-a
+    python examples/singleton_scheduler.py replica-b
+
+One replica is elected and runs the job every PERIOD seconds; the others wait in line
+(first come, first elected) and print who leads. Stop the leader (Ctrl-C) or kill it
+(`kill -9`): the next one takes over, at once after a clean stop, within the ttl after a
+crash. Every term has a fencing token, higher than the last one; the job hands it to what it
+writes, and the storage refuses a write with an older token, so a leader that was paused
+past its lease (and replaced) cannot overwrite its successor's work.
+
+In a web app, start the same loop from the lifespan: see `lifespan` below (it fits
+`FastAPI(lifespan=...)` or any ASGI framework's lifespan).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as redis
+
+from aiolocks import LockLost, RedisElection
+
+ELECTION = "scheduler"
+TTL = 10.0
+PERIOD = 1.0
+
+# The storage's side of fencing: a run is recorded only with a token at least as new as the
+# newest one seen so far.
+_RECORD_RUN = """
+local newest = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if tonumber(ARGV[1]) < newest then return 0 end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'by', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'runs', 1)
+return 1
+"""
+
+Job = Callable[[redis.Redis, str, int], Awaitable[None]]
+
+
+async def nightly_report(client: redis.Redis, replica: str, fence: int) -> None:
+    """The job: here, recording that it ran, fenced by the term's token."""
+    if not await client.eval(_RECORD_RUN, 1, "report:last-run", fence, replica):
+        raise RuntimeError(f"a newer leader has written since term {fence}: stop")
+
+
+async def lead_or_follow(
+    client: redis.Redis,
+    replica: str,
+    *,
+    job: Job = nightly_report,
+    ttl: float = TTL,
+    period: float = PERIOD,
+    say: Callable[[str], None] = print,
+) -> None:
+    """Campaign for ever: run `job` every `period` seconds while leading; when the term
+    ends (lease lost), campaign again."""
+    election = RedisElection(client, ELECTION, ttl=ttl)
+    while True:
+        try:
+            async with election.campaign(replica) as term:
+                say(f"elected {replica} fence {term.fencing_token}")
+                while True:
+                    await job(client, replica, term.fencing_token)
+                    await asyncio.sleep(period)
+        except LockLost:
+            say(f"{replica} lost the leadership: campaigning again")
+
+
+async def follow(client: redis.Redis, say: Callable[[str], None] = print) -> None:
+    """Print every change of leader (what the replicas that wait see)."""
+    async for leader in RedisElection(client, ELECTION).observe():
+        say("leader: nobody" if leader is None else f"leader: {leader.value}")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Any, url: str = "redis://localhost:6379") -> AsyncIterator[None]:
+    """An ASGI lifespan that campaigns in the background while the app serves."""
+    client = redis.Redis.from_url(url)
+    task = asyncio.create_task(lead_or_follow(client, f"pid-{os.getpid()}"))
+    try:
+        yield
+    finally:
+        task.cancel()  # a leader resigns on the way out: the next one is elected at once
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()
+
+
+async def main(replica: str) -> None:
+    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://localhost:6379"))
+    try:
+        await asyncio.gather(lead_or_follow(client, replica), follow(client))
+    finally:
+        await client.aclose()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else f"pid-{os.getpid()}"))
