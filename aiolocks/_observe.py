@@ -42,7 +42,7 @@ class State:
 
     token: str | None
     value: str
-    fence: int  # the leader's term; when vacant, the last term handed out
+    fence: int  # the leader's term; when vacant, a number at or above the last term
     rev: int  # proclamations in this term
     lease_end: float  # monotonic; 0 when vacant
 
@@ -53,6 +53,9 @@ class State:
         return (self.fence, math.inf if self.token is None else self.rev)
 
     def same(self, other: State) -> bool:
+        """Nothing to show between the two: the same leader and value, or both vacant."""
+        if self.token is None:
+            return other.token is None
         return (self.token, self.value, self.fence) == (other.token, other.value, other.fence)
 
 

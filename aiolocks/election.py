@@ -30,9 +30,9 @@ __all__ = ["ElectionInfo", "LeaderInfo", "RedisElection", "Term"]
 
 _ACQUIRE = load("election_acquire", "election")
 _RELEASE = load("election_release", "election")
-_RENEW = load("election_renew", prelude=False)
+_RENEW = load("election_renew")
 _PROCLAIM = load("election_proclaim", "election")
-_INSPECT = load("election_inspect", prelude=False)
+_INSPECT = load("election_inspect")
 
 # A value is stored with the leader and carried by every message about it.
 MAX_VALUE_BYTES = 65536
@@ -98,18 +98,21 @@ class _Candidacy(LeasedLock):
 
     def _make_spec(self) -> _acquire.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
-        leader, waiters = keys.key("leader"), keys.key("waiters")
+        leader, queue, waiters, fence, candidates = (
+            keys.key(part) for part in ("leader", "queue", "waiters", "fence", "candidates")
+        )
         return _acquire.Spec(
             name=self._name,
             kind="x",
-            keys=(leader, keys.key("queue"), waiters, keys.key("fence"), keys.key("candidates")),
-            waiters_key=waiters,
+            keys=(leader, queue, waiters, fence, candidates),
+            # A candidate's value lives as long as its queue entry.
+            heartbeat_keys=(waiters, queue, candidates),
             channel=keys.key("wake"),
             watch_key=leader,
             acquire=_ACQUIRE,
             release=_RELEASE,
             renew=_RENEW,
-            renew_keys=(leader,),
+            renew_keys=(leader, fence),
             args=(self._value,),
         )
 
@@ -241,9 +244,11 @@ class RedisElection:
         spec = self._probe._spec
         with map_redis_errors(self.name):
             reply = await context_for(self._probe._client).run(_INSPECT, spec.keys, ())
-        token, value, term, pttl, rev, last = reply[:6]
+        token, value, term, pttl, rev, last, _, clock = reply
         if token is None or int(pttl) == -2:
-            return State(None, "", int(last), 0, 0.0)
+            # Vacant now: after every term granted so far (at most the counter, or the
+            # clock once it expired) and before any to come (above both: grant_fence).
+            return State(None, "", max(int(last), int(clock)), 0, 0.0)
         lease_end = time.monotonic() + max(0, int(pttl)) / 1000
         return State(_text(token), _text(value or b""), int(term), int(rev), lease_end)
 
@@ -257,7 +262,7 @@ class RedisElection:
         spec = self._probe._spec
         with map_redis_errors(self.name):
             reply = await context_for(self._probe._client).run(_INSPECT, spec.keys, ())
-        token, value, term, pttl, _, last, queued = reply
+        token, value, term, pttl, _, last, queued, _ = reply
         held = token is not None and int(pttl) != -2
         return ElectionInfo(
             name=self.name,

@@ -357,6 +357,33 @@ async def test_a_crashed_leader_is_seen_gone_within_200_ms_of_its_expiry(
     assert -0.01 < seen_at - expires_at <= 0.2, seen_at - expires_at
 
 
+async def test_an_observer_stalled_past_the_idle_window_sees_the_leader_gone(
+    r: redis.asyncio.Redis, clients: Callable[[], Any], tasks: Tasks
+) -> None:
+    """A leader crashes while the observer's event loop is stalled until every key of the
+    election has expired, the fence counter too (ttl + 1 s): the read then finds no fence
+    at all, and must still count as after the term the observer knew, so the observer
+    shows the vacancy, once, and goes quiet (no read loop at the old lease end)."""
+    ttl = 0.3
+    observing = clients()
+    watcher = Watch(RedisElection(observing, "scheduler"), tasks)
+    await watcher.until(1)
+    crasher = RedisElection(clients(), "scheduler", ttl=ttl)._probe  # campaigns with ""
+    assert await crasher.acquire()
+    holding = crasher._current()
+    assert holding is not None and holding.lease is not None
+    await watcher.until_seen(("", holding.fence))
+    context_for(crasher._client).keeper.drop(holding.lease)  # as if its process died
+    mark = watcher.mark()
+    time.sleep(ttl + 1.0 + 0.3)  # noqa: ASYNC251 (on purpose: the loop stalls past the idle window)
+    assert await keys_left(r, "scheduler") == set()
+    await watcher.until_seen(None, since=mark)
+    sent = context_for(observing).commands_sent
+    await asyncio.sleep(0.5)
+    assert context_for(observing).commands_sent == sent  # no reads: it knows it is vacant
+    assert watcher.seen[mark:] == [None]
+
+
 async def test_an_observer_sees_the_state_again_after_a_reconnect(
     r: redis.asyncio.Redis, clients: Callable[[], Any], tasks: Tasks
 ) -> None:

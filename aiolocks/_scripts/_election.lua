@@ -2,8 +2,11 @@
 -- KEYS[1] leader      HASH  token, value, fence, rev (proclamations this term); PX = lease
 -- KEYS[2] queue       LIST  candidates' members, FIFO
 -- KEYS[3] waiters     ZSET  member -> liveness deadline (server ms)
--- KEYS[4] fence       STRING the term counter, raised by every election
+-- KEYS[4] fence       STRING the term counter, a hybrid logical clock (grant_fence)
 -- KEYS[5] candidates  HASH  queued candidate's token -> the value it campaigns with
+-- Expiry as for the mutex (docs/architecture.md, "Fences and expiry"): the leader hash has
+-- the lease as its PX and the fence counter is kept ttl + IDLE_MS by every grant and
+-- renewal; the candidates hash lives with the queue keys (enqueue, heartbeats).
 -- Every change is announced on the channel, to the candidates (a grant) and to observers:
 --   "<token> <fence> <ttl_ms> L <rev> <value>"  a leader: elected (rev 0) or proclaimed
 --   "- <fence> 0 V"                              vacant: the term <fence> resigned
@@ -14,15 +17,17 @@ local function publish(channel, message)
   redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel, message)
 end
 
+-- `fence` is a string of digits or a number (written with int_str: it has 16 digits).
 local function announce_leader(channel, token, fence, ttl, rev, value)
-  publish(channel, token .. ' ' .. fence .. ' ' .. ttl .. ' L ' .. rev .. ' ' .. value)
+  local digits = type(fence) == 'number' and int_str(fence) or fence
+  publish(channel, token .. ' ' .. digits .. ' ' .. ttl .. ' L ' .. rev .. ' ' .. value)
 end
 
 -- Make `token` the leader for `ttl` ms with `value`; returns its term's fence.
 local function elect(leader, fence_key, channel, token, ttl, value)
-  local fence = grant_fence(fence_key, token)
+  local fence = grant_fence(fence_key, token, ttl)
   redis.call('DEL', leader)
-  redis.call('HSET', leader, 'token', token, 'value', value, 'fence', fence, 'rev', 0)
+  redis.call('HSET', leader, 'token', token, 'value', value, 'fence', int_str(fence), 'rev', 0)
   redis.call('PEXPIRE', leader, ttl)
   announce_leader(channel, token, fence, ttl, 0, value)
   return fence

@@ -170,7 +170,8 @@ local function hold_in_set(holders, fences, fence_key, token, ttl, now, extra)
   return fence
 end
 
--- Lease renewal, shared by renew_owner.lua / renew_member.lua and any batch of renewals.
+-- Lease renewal, shared by renew_owner.lua / renew_member.lua / election_renew.lua and any
+-- batch of renewals.
 -- `keys` (a Lua table): the lease key first, then the keys that must outlive the lease (its
 -- fence counter, its fences hash, a semaphore's limit); each is kept ttl_ms + IDLE_MS.
 
@@ -178,6 +179,17 @@ end
 -- Returns 1 when extended, 0 when the token no longer holds it (the lease is lost).
 local function renew_owner_lease(keys, token, ttl_ms)
   if redis.call('GET', keys[1]) ~= token then
+    return 0
+  end
+  redis.call('PEXPIRE', keys[1], int_str(ttl_ms))
+  keep_all(keys, 2, tonumber(ttl_ms) + IDLE_MS)
+  return 1
+end
+
+-- An election's leader hash (its field 'token' names the leader, the lease is its PX).
+-- Returns 1 when extended, 0 when the token no longer leads (the lease is lost).
+local function renew_leader_lease(keys, token, ttl_ms)
+  if redis.call('HGET', keys[1], 'token') ~= token then
     return 0
   end
   redis.call('PEXPIRE', keys[1], int_str(ttl_ms))

@@ -12,14 +12,15 @@ local token, ttl = split_member(member)
 
 local current = redis.call('HGET', leader, 'token')
 if current == token then
-  redis.call('PEXPIRE', leader, ttl)
+  renew_leader_lease({leader, fence_key}, token, ttl)
   return {1, tonumber(redis.call('HGET', leader, 'fence'))}
 end
 if not current and redis.call('LLEN', queue) == 0 then
   return {1, elect(leader, fence_key, channel, token, ttl, value)}
 end
 
-purge_candidates(queue, waiters, candidates, now_ms())
+local now = now_ms()
+purge_candidates(queue, waiters, candidates, now)
 if not current then
   local head = redis.call('LINDEX', queue, 0)
   if not head or head == member then
@@ -34,8 +35,8 @@ if not current then
 end
 
 if mode == 'wait' then
-  enqueue(queue, waiters, member, now_ms() + tonumber(ttl))
   redis.call('HSET', candidates, token, value)
+  enqueue(queue, waiters, member, now, ttl, {candidates})
   return {0, redis.call('PTTL', leader)}
 end
 return {-1, redis.call('PTTL', leader)}
