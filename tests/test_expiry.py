@@ -1,4 +1,5 @@
-"""No key left behind (issue 14): every key of a mutex, semaphore and RW lock has an expiry,
+"""No key left behind (issue 14): every key of a mutex, semaphore, RW lock and election has
+an expiry,
 and a name nobody holds or waits for is gone within 2 x ttl + 1 s of its last release (the
 design keeps ttl + 1 s: docs/architecture.md, "Fences and expiry"); fences stay strictly
 increasing across that expiry. The registry is data and stays.
@@ -23,6 +24,8 @@ from conftest import Tasks
 
 from aiolocks import (
     LimitMismatch,
+    LockTimeout,
+    RedisElection,
     RedisMutex,
     RedisReadWriteLock,
     RedisRegistry,
@@ -136,12 +139,77 @@ async def abandoned(lock: LeasedLock) -> None:
     context_for(lock._client).keeper.drop(holding.lease)
 
 
+async def campaigned(election: RedisElection) -> None:
+    """Elected (nobody leads), proclaims, resigns by leaving the block."""
+    async with election.campaign("a") as term:
+        await term.proclaim("b")
+
+
+async def elected_on(leader: RedisElection, candidate: RedisElection, probe: QueueProbe) -> None:
+    """`candidate` queues (another client) behind `leader`, is elected when it resigns."""
+
+    async def run() -> None:
+        async with candidate.campaign("next", timeout=10):
+            pass
+
+    async with leader.campaign("first"):
+        waiting = asyncio.create_task(run())
+        await probe.wait_queued(len(probe.queued) + 1)
+    await asyncio.wait_for(waiting, 10)
+
+
+async def campaign_timed_out(leader: RedisElection, candidate: RedisElection) -> None:
+    async with leader.campaign("first"):
+        with pytest.raises(LockTimeout):
+            async with candidate.campaign("late", timeout=0.3):
+                pass
+
+
+async def campaign_cancelled(
+    leader: RedisElection, candidate: RedisElection, probe: QueueProbe
+) -> None:
+    async def run() -> None:
+        async with candidate.campaign("cancelled"):
+            pass
+
+    async with leader.campaign("first"):
+        waiting = asyncio.create_task(run())
+        await probe.wait_queued(len(probe.queued) + 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+
+def election_scenarios(
+    r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis]
+) -> list[Awaitable[None]]:
+    """An election through every path: campaign/proclaim/resign, elected on a resignation,
+    a campaign timed out, one cancelled while queued, a leader whose process died."""
+
+    def pair(path: str) -> tuple[RedisElection, RedisElection, QueueProbe]:
+        other = clients()
+        name = f"e:election:{path}"
+        made = (RedisElection(client, name, ttl=TTL) for client in (r, other))
+        return (*made, QueueProbe(other))
+
+    leader, candidate, probe = pair("handoff")
+    handoff = elected_on(leader, candidate, probe)
+    leader, candidate, _ = pair("timeout")
+    timeout = campaign_timed_out(leader, candidate)
+    leader, candidate, probe = pair("cancel")
+    cancel = campaign_cancelled(leader, candidate, probe)
+    crashed = RedisElection(clients(), "e:election:abandoned", ttl=TTL)._probe
+    resigned = campaigned(RedisElection(r, "e:election:release", ttl=TTL))
+    return [handoff, timeout, cancel, resigned, abandoned(crashed)]
+
+
 async def test_nothing_is_left_after_the_idle_window(
     r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis]
 ) -> None:
     """Every kind, every path (release, hand-off, timeout, cancellation, a local hand-off
-    cohort, an abandoned lease), all at once: right after, every key left has an expiry
-    within ttl + 1 s; after 2 x ttl + 1 s nothing is left but the registry."""
+    cohort, an abandoned lease; an election's the same ways), all at once: right after,
+    every key left has an expiry within ttl + 1 s; after 2 x ttl + 1 s nothing is left but
+    the registry."""
     registry = RedisRegistry(r, "e:users")
     assert await registry.register("alice") == 1
 
@@ -169,11 +237,13 @@ async def test_nothing_is_left_after_the_idle_window(
         scenarios.append(abandoned(side(kind, clients(), f"e:{kind}:abandoned", ttl=TTL)))
     remote = clients()
     scenarios.append(cohort(r, RedisMutex(remote, "e:cohort", ttl=TTL), QueueProbe(remote)))
+    scenarios.extend(election_scenarios(r, clients))
     await asyncio.wait_for(asyncio.gather(*scenarios), 20)
     finished = time.monotonic()
 
     left = await lock_keys(r)
     assert any(key.endswith(":fence") for key in left), left  # there was something to expire
+    assert any(key.startswith("aiolocks:election:") for key in left), left
     # Every key has an expiry, at most ttl + 1 s away (ms, with 100 ms for the HLC margin).
     assert all(0 < pttl <= (TTL + IDLE) * 1000 + 100 for pttl in left.values()), left
 
@@ -204,7 +274,23 @@ async def test_fences_keep_rising_after_the_keys_expired(r: redis.asyncio.Redis)
         await asyncio.gather(*(hold() for _ in range(5)))
         return fences
 
-    before = {kind: await fences_of(make) for kind, make in kinds.items()}
+    async def terms() -> list[int]:
+        """Five terms of an election, each candidate queued behind the one before."""
+        election, fences = RedisElection(r, "f:election", ttl=ttl), []
+
+        async def lead() -> None:
+            async with election.campaign("x") as term:
+                fences.append(term.fencing_token)
+
+        await asyncio.gather(*(lead() for _ in range(5)))
+        return fences
+
+    async def fences_by_kind() -> dict[str, list[int]]:
+        found = {kind: await fences_of(make) for kind, make in kinds.items()}
+        found["election"] = await terms()
+        return found
+
+    before = await fences_by_kind()
     seconds, micros = await r.time()
     clock_us = int(seconds) * 1_000_000 + int(micros)
     for kind, fences in before.items():
@@ -215,8 +301,8 @@ async def test_fences_keep_rising_after_the_keys_expired(r: redis.asyncio.Redis)
     await asyncio.sleep(max(left.values()) / 1000 + 0.05)  # the longest expiry, once
     assert await lock_keys(r) == {}
 
-    after = {kind: await fences_of(make) for kind, make in kinds.items()}
-    for kind in kinds:
+    after = await fences_by_kind()
+    for kind in before:
         assert min(after[kind]) > max(before[kind]), (kind, before[kind], after[kind])
 
 
@@ -275,6 +361,36 @@ async def test_the_semaphore_limit_lives_with_its_users_and_expires_with_them(
     assert await wider.acquire(blocking=False)  # nobody live disagrees any more
     assert (await wider.inspect()).limit == 3
     await wider.release()
+
+
+async def test_candidates_values_live_as_long_as_they_wait(
+    r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis], tasks: Tasks
+) -> None:
+    """A candidate queued past what its enqueue alone keeps (its ttl + 1 s) still has its
+    value when elected: its heartbeats keep the candidates hash with the queue (the leader's
+    lease is long, so nothing else re-writes it meanwhile); nothing is left but the fence."""
+    ttl = 0.3
+    other = clients()
+    leader = RedisElection(r, "cand", ttl=5)
+    candidate = RedisElection(other, "cand", ttl=ttl)
+
+    async def wait_then_lead() -> tuple[str, int]:
+        async with candidate.campaign("patient") as term:
+            info = await candidate.leader()
+            assert info is not None
+            return info.value, term.fencing_token
+
+    async with leader.campaign("first") as first:
+        waiting = await tasks.queued(QueueProbe(other), wait_then_lead())
+        await asyncio.sleep(ttl + IDLE + 0.3)  # past what an enqueue alone keeps
+        info = await leader.inspect()
+        assert (info.value, info.candidates) == ("first", 1), info
+        assert 0 < await r.pttl("aiolocks:election:{cand}:candidates") <= (ttl + IDLE) * 1000
+    value, fence = await asyncio.wait_for(waiting, 5)
+    assert (value, fence > first.fencing_token) == ("patient", True)
+    left = await lock_keys(r)
+    assert set(left) == {"aiolocks:election:{cand}:fence"}, left
+    assert 0 < left["aiolocks:election:{cand}:fence"] <= (5 + IDLE) * 1000 + 100, left
 
 
 @pytest.mark.slow
