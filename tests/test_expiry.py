@@ -1,8 +1,7 @@
 """No key left behind (issue 14): every key of a mutex, semaphore, RW lock and election has
-an expiry,
-and a name nobody holds or waits for is gone within 2 x ttl + 1 s of its last release (the
-design keeps ttl + 1 s: docs/architecture.md, "Fences and expiry"); fences stay strictly
-increasing across that expiry. The registry is data and stays.
+an expiry, and a name nobody holds or waits for is gone within 2 x ttl + 1 s of its last
+release (the design keeps ttl + 1 s: docs/architecture.md, "Fences and expiry"); fences
+stay strictly increasing across that expiry. The registry is data and stays.
 
 Waiting is bounded and never polls: each test waits the computed window once (or a key's
 own PTTL), then looks with one SCAN.
