@@ -416,7 +416,7 @@ class Notifier:
         token, fence, ttl = parts[0].decode(), int(parts[1]), int(parts[2])
         lot = self._waitqueue.lot(wake)
         if lot is not None:
-            lot.note_lease(ttl)
+            lot.note_lease(ttl, grant=True)
         self._waitqueue.unpark(token, fence)
 
     async def aclose(self) -> None:

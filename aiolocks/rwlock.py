@@ -67,6 +67,7 @@ class _Side(LeasedLock):
             release=_RELEASE,
             renew=self._renew,
             renew_keys=(writer if self._side == "w" else readers,),
+            shared=True,
         )
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
