@@ -176,13 +176,11 @@ async def acquire(
                     context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
                     deadline,
                 )
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+                dirty = answered  # refused before it ran: nothing changed by this call
+                raise
             except _PASSING_OUTAGE as exc:
-                if (
-                    not answered
-                    or waiter is None
-                    or cancelling()
-                    or isinstance(exc, redis.exceptions.AuthenticationError)
-                ):
+                if not answered or waiter is None or cancelling():
                     raise  # the first try: the caller learns Redis is unreachable
                 # Queued already: a server that restarts or fails over must not end the
                 # wait. Re-try after a back-off (or sooner, on a reconnect), until the
@@ -416,19 +414,33 @@ async def withdraw(
 async def _withdraw(
     context: ClientContext, spec: Spec, token: str, ttl_ms: int, bound: float
 ) -> None:
-    try:
-        await asyncio.wait_for(release(context, spec, token, ttl_ms), bound)
-    except asyncio.CancelledError:
-        raise  # the loop is shutting down
-    except Exception as exc:
-        log.warning(
-            "aiolocks: clean-up of %r (token %s) not confirmed within %g s (%r); the server "
-            "forgets the token when its ttl ends",
-            spec.name,
-            token,
-            bound,
-            exc,
-        )
+    """Release `token`, trying again (with a back-off) while the server cannot be reached,
+    for at most `bound` seconds."""
+    give_up = time.monotonic() + bound
+    delay = _RETRY_MIN
+    while True:
+        try:
+            await asyncio.wait_for(
+                release(context, spec, token, ttl_ms), give_up - time.monotonic()
+            )
+            return
+        except asyncio.CancelledError:
+            raise  # the loop is shutting down
+        except Exception as exc:
+            outage = isinstance(exc, _PASSING_OUTAGE) and not isinstance(
+                exc, redis.exceptions.AuthenticationError
+            )
+            if not outage or time.monotonic() + delay >= give_up:
+                log.warning(
+                    "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
+                    "forgets the token when its ttl ends",
+                    spec.name,
+                    token,
+                    exc,
+                )
+                return
+        await asyncio.sleep(delay)  # an outage back-off, as a queued waiter's re-check
+        delay = min(delay * 2, _RETRY_MAX)
 
 
 # Clean-ups left to finish in the background (a reference, so they are not collected).

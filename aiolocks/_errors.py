@@ -81,7 +81,7 @@ def _access_cause(exc: redis.exceptions.RedisError) -> str:
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return f"the user lacks an ACL permission (NOPERM {text})"
     lowered = text.lower()
-    if "authentication required" in lowered:
+    if getattr(exc, "status_code", None) == "NOAUTH" or "authentication required" in lowered:
         return "the server requires a password and none was given (NOAUTH)"
     if "no password is set" in lowered:
         return "a password was given but the server has none set"
