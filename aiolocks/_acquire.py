@@ -60,8 +60,8 @@ GRACE = 0.05
 # this long when it has none; past it the call raises ServerUnavailable.
 TRY_BOUND = 2.0
 # A grant whose lease, counted from a moment known to precede it, has less than this part
-# of its ttl left is confirmed with the server before it is reported (see _confirm_first).
-_CONFIRM_BELOW = 0.5
+# of its ttl left is confirmed with the server before it is reported (see _Late).
+_CONFIRM_BELOW, _MAX_CONFIRMS = 0.5, 3
 # Back-off between re-checks of a queued waiter while Redis cannot be reached.
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 # What a server that restarts or fails over answers for a while: a queued waiter waits on.
@@ -72,6 +72,9 @@ _PASSING_OUTAGE = (
     redis.exceptions.TryAgainError,  # a slot in the middle of a move
     redis.exceptions.ReadOnlyError,  # a demoted primary, before the client finds the new one
 )
+
+# A call cut off by these may or may not have run on the server.
+_LOST_REPLY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 log = logging.getLogger("aiolocks")
 
@@ -158,6 +161,7 @@ async def acquire(
     dirty = False  # the server may hold state for this token
     mode = "try"
     miss = Miss(unanswered=False)
+    late = _Late(ttl_ms)
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms)
@@ -192,7 +196,7 @@ async def acquire(
                 wake = await waiter.sleep(_earliest(deadline, time.monotonic() + outage))
                 outage = min(outage * 2, _RETRY_MAX)
                 if wake is Wake.GRANTED:
-                    if _confirm_first(waiter):
+                    if late.confirm(waiter.granted_at, waiter):
                         continue
                     assert waiter.fence is not None
                     dirty = False
@@ -203,6 +207,8 @@ async def acquire(
             if len(reply) > 2:
                 wake_granted(context, spec, reply, 2, sent_at)  # others it let in, maybe local
             if status == GRANTED:
+                if late.confirm(sent_at, waiter):
+                    continue  # answered after a stall: re-run (it re-arms the lease)
                 dirty = False
                 return Grant(token, value, sent_at)
             if status == REFUSED:
@@ -218,7 +224,7 @@ async def acquire(
                 if status == QUEUED:
                     waiter.still_queued(sent_at)
                 if waiter.fence is not None:
-                    if _confirm_first(waiter):
+                    if late.confirm(waiter.granted_at, waiter):
                         continue
                     dirty = False
                     return Grant(token, waiter.fence, waiter.granted_at)
@@ -236,7 +242,7 @@ async def acquire(
             waiter.lot.note_lease(value if value >= 0 else ttl_ms)
             wake = await waiter.sleep(deadline)
             if wake is Wake.GRANTED:
-                if _confirm_first(waiter):
+                if late.confirm(waiter.granted_at, waiter):
                     continue
                 assert waiter.fence is not None
                 dirty = False
@@ -259,16 +265,34 @@ async def acquire(
             await withdraw(context, spec, token, ttl_ms, until)
 
 
-def _confirm_first(waiter: Waiter) -> bool:
-    """True when a grant's lease, counted from a moment known to precede it, leaves too
-    little validity (the news came late: a stalled loop, a slow link): the grant is then
-    dropped and the acquire script re-run, which re-arms the lease if it is still ours
-    (it is idempotent) or queues again if the server already ended it."""
-    remaining = validity(waiter.granted_at, waiter.ttl_ms / 1000.0) - time.monotonic()
-    if remaining >= waiter.ttl_ms / 1000.0 * _CONFIRM_BELOW:
-        return False
-    waiter.forget_grant()
-    return True
+class _Late:
+    """Decides whether a grant is reported or first confirmed with the server.
+
+    A grant's lease is counted from a moment known to precede it (the sending of a call
+    that found the token not yet granted, or of the granting call). When the news came late
+    (a stalled loop, a slow link) that leaves little or no validity: the acquire script is
+    then re-run, which re-arms the lease if it is still the token's (it is idempotent) or
+    queues it again if the server already ended it. A lease with no validity left is never
+    reported; one with some, but less than half its ttl, is confirmed up to 3 times (a
+    server slower than that gets what validity is left, and the keeper renews at once).
+    """
+
+    __slots__ = ("confirms", "ttl")
+
+    def __init__(self, ttl_ms: int) -> None:
+        self.ttl = ttl_ms / 1000.0
+        self.confirms = 0
+
+    def confirm(self, granted_at: float, waiter: Waiter | None) -> bool:
+        remaining = validity(granted_at, self.ttl) - time.monotonic()
+        if remaining >= self.ttl * _CONFIRM_BELOW:
+            return False
+        if remaining > 0 and self.confirms >= _MAX_CONFIRMS:
+            return False
+        self.confirms += 1
+        if waiter is not None:
+            waiter.forget_grant()
+        return True
 
 
 async def confirm(
@@ -318,14 +342,20 @@ async def release_reply(
     args = (member, spec.channel, *spec.args, *extra)
     try:
         return await granting(context, spec, spec.release, args), False
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+    except _LOST_REPLY:
         return await granting(context, spec, spec.release, args), True
 
 
 async def granting(
-    context: ClientContext, spec: Spec, script: Script, args: tuple[Any, ...]
+    context: ClientContext,
+    spec: Spec,
+    script: Script,
+    args: tuple[Any, ...],
+    *,
+    retry: bool = False,
 ) -> list[Any]:
-    """Run a script that may grant to waiters of this client (a release, `set_limit`), once.
+    """Run a script that may grant to waiters of this client (a release, `set_limit`), once,
+    or (`retry`) once more after a connection error.
 
     Such grants are not published: this client learns them from the reply. If the reply is
     lost (a dropped connection, a cancellation), every local waiter of the name re-checks
@@ -334,10 +364,12 @@ async def granting(
     """
     try:
         reply: list[Any] = await context.run(script, spec.keys, args, retry=False)
-    except BaseException:
+        return reply
+    except BaseException as exc:
         context.waitqueue.recheck_all(spec.channel)
-        raise
-    return reply
+        if not retry or not isinstance(exc, _LOST_REPLY):
+            raise
+    return await granting(context, spec, script, args)
 
 
 def wake_granted(

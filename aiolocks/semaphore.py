@@ -169,7 +169,7 @@ class RedisSemaphore(LeasedLock):
         args = (limit, self._spec.channel, context.waitqueue.tag)
         sent_at = time.monotonic()
         with map_redis_errors(self._name):
-            reply = await _acquire.granting(context, self._spec, _SET_LIMIT, args)
+            reply = await _acquire.granting(context, self._spec, _SET_LIMIT, args, retry=True)
         self._limit = limit
         self._spec = replace(self._make_spec(), counters=self._spec.counters)
         _acquire.wake_granted(context, self._spec, reply, 1, sent_at)
