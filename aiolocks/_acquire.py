@@ -131,7 +131,7 @@ class Miss:
         if self.wait_ms >= 0:
             return (
                 "held by another holder (the first lease in the way had "
-                f"{self.wait_ms / 1000:.3g} s left at the last check)"
+                f"{self.wait_ms} ms left at the last check)"
             )
         return "held by another holder"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -47,12 +48,30 @@ def _sha_match(sha: str) -> Any:
 # -- 3.1 a lost release reply ---------------------------------------------------------------
 
 
+@pytest.fixture(params=["valkey-notify", "valkey-plain"])
+async def any_proxy(
+    request: pytest.FixtureRequest, server_pool: Any
+) -> AsyncIterator[tuple[Proxy, redis.asyncio.Redis]]:
+    """A proxy in front of a server with keyspace notifications on or off (with them, a
+    mutex hand-off's `del` event wakes the head waiter anyway), and a direct client."""
+    server: ServerProcess = server_pool.get(request.param)
+    proxy = await Proxy(server.port).start()
+    direct = redis.asyncio.Redis.from_url(server.url)
+    await direct.flushall()
+    try:
+        yield proxy, direct
+    finally:
+        await proxy.aclose()
+        await close_client(direct)
+
+
 @pytest.mark.parametrize("how", ["dropped", "cancelled"])
 async def test_a_same_client_grant_whose_release_reply_was_lost_wakes_the_waiter(
-    proxy: Proxy, direct: redis.asyncio.Redis, how: str
+    any_proxy: tuple[Proxy, redis.asyncio.Redis], how: str
 ) -> None:
     """Holder and waiter share a client (grants to it are not published); the release's
     reply is lost. ttl 9 s: without a re-check the waiter slept until its heartbeat (3 s)."""
+    proxy, direct = any_proxy
     client = redis.asyncio.Redis.from_url(proxy.url)
     try:
         name = f"lost-reply-{how}"
@@ -98,8 +117,9 @@ async def test_a_same_client_grant_whose_release_reply_was_lost_wakes_the_waiter
 
 
 async def test_a_set_limit_whose_reply_was_lost_wakes_the_waiter(
-    proxy: Proxy, direct: redis.asyncio.Redis
+    any_proxy: tuple[Proxy, redis.asyncio.Redis],
 ) -> None:
+    proxy = any_proxy[0]
     client = redis.asyncio.Redis.from_url(proxy.url)
     try:
         sem = RedisSemaphore(client, "lost-set-limit", limit=1, ttl=9)
