@@ -272,9 +272,9 @@ class _Late:
     that found the token not yet granted, or of the granting call). When the news came late
     (a stalled loop, a slow link) that leaves little or no validity: the acquire script is
     then re-run, which re-arms the lease if it is still the token's (it is idempotent) or
-    queues it again if the server already ended it. A lease with no validity left is never
-    reported; one with some, but less than half its ttl, is confirmed up to 3 times (a
-    server slower than that gets what validity is left, and the keeper renews at once).
+    queues it again if the server already ended it. Up to 3 confirmations per acquisition:
+    a server that answers slower than that (round trips near the ttl) gets the grant with
+    what validity is left, and the keeper renews at once, or reports the loss if none is.
     """
 
     __slots__ = ("confirms", "ttl")
@@ -287,8 +287,8 @@ class _Late:
         remaining = validity(granted_at, self.ttl) - time.monotonic()
         if remaining >= self.ttl * _CONFIRM_BELOW:
             return False
-        if remaining > 0 and self.confirms >= _MAX_CONFIRMS:
-            return False
+        if self.confirms >= _MAX_CONFIRMS:
+            return False  # a server slower than the ttl: no loop of calls; the keeper judges
         self.confirms += 1
         if waiter is not None:
             waiter.forget_grant()
