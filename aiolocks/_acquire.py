@@ -162,6 +162,7 @@ async def acquire(
     mode = "try"
     miss = Miss(unanswered=False)
     late = _Late(ttl_ms)
+    unreachable = False
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms)
@@ -252,6 +253,9 @@ async def acquire(
     except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         # `_bounded` ran out of time while Redis was slow: same as the deadline.
         return Miss(unanswered=True, wait_ms=miss.wait_ms)
+    except (*_LOST_REPLY, redis.exceptions.InvalidResponse, OSError):
+        unreachable = True  # the caller learns it now; the clean-up can only wait for Redis
+        raise
     finally:
         if waiter is not None:
             context.waitqueue.remove(waiter)
@@ -262,6 +266,8 @@ async def acquire(
             # Awaited until the caller's deadline (a little past it), or, without one, up to
             # CLEANUP_BOUND; past that it goes on in the background.
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
+            if unreachable:
+                until = time.monotonic() + GRACE
             await withdraw(context, spec, token, ttl_ms, until)
 
 
