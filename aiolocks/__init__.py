@@ -14,7 +14,9 @@ from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
+from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
+from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
@@ -30,6 +32,7 @@ __all__ = (
     "AccessDenied",
     "LimitMismatch",
     "LockError",
+    "LockHandle",
     "LockLost",
     "LockNotOwned",
     "LockReentry",
@@ -39,6 +42,7 @@ __all__ = (
     "NotReplicated",
     "RWLockInfo",
     "ReadLock",
+    "RedisMultiLock",
     "RedisMutex",
     "RedisReadWriteLock",
     "RedisRegistry",

@@ -20,8 +20,8 @@ them. Script conventions (see `_scripts/*.lua`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -250,7 +250,7 @@ async def acquire(
                 return Grant(token, waiter.fence, waiter.granted_at)
             if wake is Wake.DEADLINE:
                 return miss
-    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+    except TimeoutError:
         # `_bounded` ran out of time while Redis was slow: same as the deadline.
         return Miss(unanswered=True, wait_ms=miss.wait_ms)
     except (*_LOST_REPLY, redis.exceptions.InvalidResponse, OSError):
@@ -423,7 +423,7 @@ async def release_until(
     validity): past it the answer is UNANSWERED and the release goes on in the background."""
     try:
         return await _bounded(release(context, spec, token, ttl_ms), until)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic())
         return UNANSWERED
     except asyncio.CancelledError:
@@ -432,7 +432,12 @@ async def release_until(
 
 
 async def withdraw(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float | None
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float | None,
+    call: Callable[[], Awaitable[Any]] | None = None,
 ) -> bool:
     """Run the release script for `token` in a task of its own that outlives the caller:
     awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
@@ -440,7 +445,9 @@ async def withdraw(
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
     ttl the server has forgotten the token by itself), and a failure is logged."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
-    task = asyncio.ensure_future(_withdraw(context, spec, token, ttl_ms, bound))
+    if call is None:
+        call = functools.partial(release, context, spec, token, ttl_ms)
+    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
@@ -450,17 +457,15 @@ async def withdraw(
 
 
 async def _withdraw(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, bound: float
+    call: Callable[[], Awaitable[Any]], name: str, token: str, bound: float
 ) -> None:
-    """Release `token`, trying again (with a back-off) while the server cannot be reached,
-    for at most `bound` seconds."""
+    """Run `call` (the release of `token`), trying again (with a back-off) while the server
+    cannot be reached, for at most `bound` seconds."""
     give_up = time.monotonic() + bound
     delay = _RETRY_MIN
     while True:
         try:
-            await asyncio.wait_for(
-                release(context, spec, token, ttl_ms), give_up - time.monotonic()
-            )
+            await asyncio.wait_for(call(), give_up - time.monotonic())
             return
         except asyncio.CancelledError:
             raise  # the loop is shutting down
@@ -472,7 +477,7 @@ async def _withdraw(
                 log.warning(
                     "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
                     "forgets the token when its ttl ends",
-                    spec.name,
+                    name,
                     token,
                     exc,
                 )
@@ -495,21 +500,12 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-if sys.version_info >= (3, 11):
-
-    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
-        if deadline is None:
-            return await awaitable
-        loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-        async with asyncio.timeout_at(loop_deadline):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-
-    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
-        if deadline is None:
-            return await awaitable
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
+    if deadline is None:
+        return await awaitable
+    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+    async with asyncio.timeout_at(loop_deadline):
+        return await awaitable
 
 
 async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
