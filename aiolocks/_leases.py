@@ -200,7 +200,7 @@ class LeaseKeeper:
             self._settle_lease(lease, result, sent_at)
         _telemetry.on_renewal(leases, results[: len(leases)])
         for group, waiters, result in zip(groups, members, results[len(leases) :], strict=True):
-            self._settle_heartbeat(group, waiters, result)
+            self._settle_heartbeat(group, waiters, result, sent_at)
         self._expire_overdue()
 
     def _settle_lease(self, lease: Lease, result: Any, sent_at: float) -> None:
@@ -216,15 +216,21 @@ class LeaseKeeper:
         else:
             self._lose(lease, "another owner holds it now (or its key was deleted)")
 
-    def _settle_heartbeat(self, group: _HeartbeatGroup, waiters: list[Waiter], result: Any) -> None:
+    def _settle_heartbeat(
+        self, group: _HeartbeatGroup, waiters: list[Waiter], result: Any, sent_at: float
+    ) -> None:
         now = time.monotonic()
         shortest = min((w.ttl_ms for w in group.waiters.values()), default=3000)
         if isinstance(result, Exception):
             group.next_due = now + max(_RETRY_MIN, shortest / 30000.0)
             return
         group.next_due = now + shortest / 3000.0
-        for index in result or ():
-            waiters[int(index) - 1].recheck()  # purged as dead: it must queue again
+        missing = {int(index) - 1 for index in result or ()}
+        for index, waiter in enumerate(waiters):
+            if index in missing:
+                waiter.recheck()  # purged as dead (or granted): it must re-run acquire
+            else:
+                waiter.still_queued(sent_at)  # not granted when the heartbeat ran
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()

@@ -153,7 +153,7 @@ class RedisMultiLock(LeasedLock):
                             context, spec, token, self._ttl_ms,
                             blocking=blocking, deadline=deadline,
                         )  # fmt: skip
-                    if grant is None:
+                    if isinstance(grant, _acquire.Miss):
                         break
                     self._took(context, taken, spec, grant)
                     grants.append(grant)
@@ -257,7 +257,10 @@ class RedisMultiLock(LeasedLock):
         self._taken.pop(token, None)
         return await self._release_all(context, self._specs, token)
 
-    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
+    async def _release_surely(
+        self, context: ClientContext, token: str, until: float | None = None
+    ) -> bool | None:
+        # Not bounded by `until` (the leases' validity) yet: one release call per name.
         self._taken.pop(token, None)
         return await _acquire.completed(self._release_all(context, self._specs, token))
 
