@@ -5,8 +5,9 @@
 
 For each N (a fresh worker process each, the server FLUSHALLed first), one client:
 
-1. acquires N distinct `RedisMutex` names (ttl `--ttl`), 256 tasks at a time: the
-   acquisition rate, also per tenth of N (the keeper renews the early ones meanwhile);
+1. after a warm-up (1,024 other names acquired and released), acquires N distinct
+   `RedisMutex` names (ttl `--ttl`), 256 tasks at a time: the acquisition rate, also
+   per tenth of N (the keeper renews the early ones meanwhile);
 2. holds all of them for `--hold` seconds and counts, through the telemetry hook the
    lease keeper reports each renewal batch to: leases renewed, renewal round trips
    (pipelines) and script calls (server `INFO commandstats`: EVALSHA + EVAL), the
@@ -43,6 +44,7 @@ from aiolocks import _telemetry as telemetry
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 256  # tasks acquiring at once
+WARM_UP = 1024  # names acquired and released before anything is measured
 TENTHS = 10
 
 
@@ -105,7 +107,12 @@ async def worker(spec: dict[str, Any]) -> dict[str, Any]:
     admin = redis.asyncio.Redis.from_url(spec["url"])
     result: dict[str, Any] = {"n": n, "ttl_s": ttl, "hold_s": hold, "loadavg_start": loadavg()}
     try:
-        await client.ping()
+        # Warm up (connections, scripts loaded, the keeper's task): not measured.
+        warm = [RedisMutex(client, f"warm:{i}", ttl=ttl) for i in range(WARM_UP)]
+        for start in range(0, WARM_UP, CONCURRENCY):
+            group = warm[start : start + CONCURRENCY]
+            await asyncio.gather(*(lock.acquire() for lock in group))
+            await asyncio.gather(*(lock.release() for lock in group))
         gc.collect()
         rss0, mem0 = rss_bytes(), await used_memory(admin)
         locks = [RedisMutex(client, f"scale:{i}", ttl=ttl) for i in range(n)]
