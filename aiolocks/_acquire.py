@@ -14,7 +14,10 @@ them. Script conventions (see `_scripts/*.lua`):
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
   whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
   with every grant it made.
-- renew: KEYS = spec.renew_keys, ARGV = token, ttl_ms; returns 1 while still held.
+- renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
+  ARGV = token, ttl_ms; returns 1 while still held.
+- heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
+  waiter); see `_leases`.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Spec:
     name: str
     kind: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side
     keys: tuple[bytes, ...]
-    waiters_key: bytes
+    heartbeat_keys: tuple[bytes, ...]  # the waiters key, then the keys kept alive with it
     channel: bytes
     watch_key: bytes | None  # a key whose del/expired events mean "re-check"
     acquire: Script
@@ -179,7 +182,7 @@ async def acquire(
     finally:
         if waiter is not None:
             context.waitqueue.remove(waiter)
-            context.keeper.unwatch_waiter(spec.waiters_key, waiter)
+            context.keeper.unwatch_waiter(spec.heartbeat_keys, waiter)
         if retained:
             context.notifier.release(spec.channel)
         if dirty:
@@ -265,7 +268,7 @@ async def release_surely(
 
 def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
     waiter = context.waitqueue.park(spec.channel, token, ttl_ms, spec.kind)
-    context.keeper.watch_waiter(spec.waiters_key, waiter)
+    context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter
 
 

@@ -112,12 +112,13 @@ class Lease:
 
 
 class _HeartbeatGroup:
-    """The waiters of one primitive's queue (one `waiters` key) in this process."""
+    """The waiters of one primitive's queue (one `waiters` key) in this process; `keys` are
+    the waiters key, then the keys heartbeat.lua keeps alive with them."""
 
-    __slots__ = ("key", "next_due", "period", "queued", "slot", "waiters")
+    __slots__ = ("keys", "next_due", "period", "queued", "slot", "waiters")
 
-    def __init__(self, key: bytes) -> None:
-        self.key = key
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self.keys = keys
         self.waiters: dict[str, Waiter] = {}
         self.next_due = float("inf")
         self.period = float("inf")  # a third of its shortest waiter's ttl
@@ -212,10 +213,11 @@ class LeaseKeeper:
         self._leases.discard(lease)
         lease.queued = None
 
-    def watch_waiter(self, waiters_key: bytes, waiter: Waiter) -> None:
-        group = self._groups.get(waiters_key)
+    def watch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
+        """Heartbeat `waiter` with its primitive's `keys` (the waiters key first)."""
+        group = self._groups.get(keys[0])
         if group is None:
-            group = self._groups[waiters_key] = _HeartbeatGroup(waiters_key)
+            group = self._groups[keys[0]] = _HeartbeatGroup(keys)
         group.waiters[waiter.token] = waiter
         period = waiter.ttl_ms / 3000.0
         group.period = min(group.period, period)
@@ -224,12 +226,12 @@ class LeaseKeeper:
             group.next_due = group.queued = due
             self._push(due, group)
 
-    def unwatch_waiter(self, waiters_key: bytes, waiter: Waiter) -> None:
-        group = self._groups.get(waiters_key)
+    def unwatch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
+        group = self._groups.get(keys[0])
         if group is not None:
             group.waiters.pop(waiter.token, None)
             if not group.waiters:
-                del self._groups[waiters_key]
+                del self._groups[keys[0]]
                 group.queued = None
 
     def _push(self, due: float, item: _Item) -> None:
@@ -247,7 +249,7 @@ class LeaseKeeper:
             return False
         if isinstance(item, Lease):
             return item in self._leases
-        return self._groups.get(item.key) is item
+        return self._groups.get(item.keys[0]) is item
 
     def _schedule(self, due: float) -> None:
         if self._task is None or self._task.done():
@@ -423,7 +425,7 @@ class LeaseKeeper:
         open_calls: dict[int, _Call] = {}
         for group in groups:
             if self._cluster and group.slot < 0:
-                group.slot = key_slot(group.key)
+                group.slot = key_slot(group.keys[0])
             waiters = list(group.waiters.values())
             for first in range(0, len(waiters), BATCH):
                 chunk = waiters[first : first + BATCH]
@@ -432,8 +434,9 @@ class LeaseKeeper:
                     call = open_calls[group.slot] = _Call()
                     calls.append(call)
                 call.weight += len(chunk)
-                call.keys.append(group.key)
-                call.packed.append(pack(_OP["heartbeat"], 1, [w.member for w in chunk]))
+                call.keys.extend(group.keys)
+                members = [w.member for w in chunk]
+                call.packed.append(pack(_OP["heartbeat"], len(group.keys), members))
                 call.targets.append((group, waiters, first))
         return calls
 
@@ -512,7 +515,7 @@ class LeaseKeeper:
         self._push(due, lease)
 
     def _settle_heartbeat(self, group: _HeartbeatGroup, failed: bool) -> None:
-        if self._groups.get(group.key) is not group:
+        if self._groups.get(group.keys[0]) is not group:
             return  # its last waiter left meanwhile
         shortest = min(w.ttl_ms for w in group.waiters.values()) / 3000.0
         group.period = shortest

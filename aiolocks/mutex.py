@@ -81,19 +81,20 @@ class RedisMutex(LeasedLock):
 
     def _make_spec(self) -> _acquire.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
-        owner = keys.key("owner")
-        waiters = keys.key("waiters")
+        owner, queue, waiters, fence = (
+            keys.key(part) for part in ("owner", "queue", "waiters", "fence")
+        )
         return _acquire.Spec(
             name=self._name,
             kind="x",
-            keys=(owner, keys.key("queue"), waiters, keys.key("fence")),
-            waiters_key=waiters,
+            keys=(owner, queue, waiters, fence),
+            heartbeat_keys=(waiters, queue),
             channel=keys.key("wake"),
             watch_key=owner,
             acquire=_ACQUIRE,
             release=_RELEASE,
             renew=_RENEW,
-            renew_keys=(owner,),
+            renew_keys=(owner, fence),
         )
 
     async def locked(self) -> bool:

@@ -47,26 +47,19 @@ class _Side(LeasedLock):
 
     def _make_spec(self) -> _acquire.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
-        writer, readers = keys.key("writer"), keys.key("readers")
-        waiters = keys.key("waiters")
+        parts = ("writer", "readers", "queue", "waiters", "fence", "fences")
+        writer, readers, queue, waiters, fence, fences = (keys.key(part) for part in parts)
         return _acquire.Spec(
             name=self._name,
             kind=self._side,
-            keys=(
-                writer,
-                readers,
-                keys.key("queue"),
-                waiters,
-                keys.key("fence"),
-                keys.key("fences"),
-            ),
-            waiters_key=waiters,
+            keys=(writer, readers, queue, waiters, fence, fences),
+            heartbeat_keys=(waiters, queue),
             channel=keys.key("wake"),
             watch_key=writer,
             acquire=_ACQUIRE,
             release=_RELEASE,
             renew=self._renew,
-            renew_keys=(writer if self._side == "w" else readers,),
+            renew_keys=(writer, fence) if self._side == "w" else (readers, fences, fence),
         )
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:

@@ -95,26 +95,19 @@ class RedisSemaphore(LeasedLock):
 
     def _make_spec(self) -> _acquire.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
-        holders = keys.key("holders")
-        waiters = keys.key("waiters")
+        parts = ("holders", "queue", "waiters", "fence", "fences", "limit")
+        holders, queue, waiters, fence, fences, limit = (keys.key(part) for part in parts)
         return _acquire.Spec(
             name=self._name,
             kind="x",
-            keys=(
-                holders,
-                keys.key("queue"),
-                waiters,
-                keys.key("fence"),
-                keys.key("fences"),
-                keys.key("limit"),
-            ),
-            waiters_key=waiters,
+            keys=(holders, queue, waiters, fence, fences, limit),
+            heartbeat_keys=(waiters, queue, limit),
             channel=keys.key("wake"),
             watch_key=None,
             acquire=_ACQUIRE,
             release=_RELEASE,
             renew=_RENEW,
-            renew_keys=(holders,),
+            renew_keys=(holders, fences, fence, limit),
             args=(self._limit,),
             refused=self._mismatch,
         )
@@ -164,7 +157,7 @@ class RedisSemaphore(LeasedLock):
         """
         limit = _validate_limit(limit)
         context = context_for(self._client)
-        args = (limit, self._spec.channel, context.waitqueue.tag)
+        args = (limit, self._spec.channel, context.waitqueue.tag, self._ttl_ms)
         with map_redis_errors(self._name):
             reply = await context.run(_SET_LIMIT, self._spec.keys, args)
         self._limit = limit

@@ -131,6 +131,7 @@ def _as_leased(lock: object) -> LeasedLock:
 
 async def _end(lock: Lock | LeasedLock, token: str) -> int:
     leased = _as_leased(lock)
+    lease_key = leased._spec.renew_keys[:1]  # the owner key or holders set, not the fence
     with map_redis_errors(leased.name):
-        ended = await context_for(leased._client).run(_EXPIRE, leased._spec.renew_keys, (token,))
+        ended = await context_for(leased._client).run(_EXPIRE, lease_key, (token,))
     return int(ended)

@@ -5,7 +5,9 @@
     curl -X POST localhost:8000/orders/42/charge   # twice at once: one 200, one 409
 
 Each request to an order's endpoints holds the `RedisMutex` "orders:<id>", through
-`aiolocks.integrations.fastapi.request_lock`:
+`aiolocks.integrations.fastapi.request_lock`, named from the validated order id: a request
+whose id is not a number (`POST /orders/xyz/charge`) is answered 422 before any lock is
+taken, and leaves nothing in Redis.
 
 - `POST /orders/{order_id}/charge` answers 409 at once while another request holds the
   order (a double-click must not charge twice), and records the charge with the
@@ -47,9 +49,15 @@ def client_of(request: Request) -> redis.Redis:
     return client
 
 
+def order_lock_name(order_id: int) -> str:
+    """The lock of one order. FastAPI validates `order_id` before calling this, so an
+    invalid id takes no lock (a template such as "orders:{order_id}" would use it raw)."""
+    return f"orders:{order_id}"
+
+
 app = FastAPI(title="orders", lifespan=lifespan)
-charge_lock = request_lock("orders:{order_id}", ttl=CHARGE_TTL)  # busy: 409 at once
-ship_lock = request_lock("orders:{order_id}", timeout=SHIP_WAIT, busy_status=423)
+charge_lock = request_lock(order_lock_name, ttl=CHARGE_TTL)  # busy: 409 at once
+ship_lock = request_lock(order_lock_name, timeout=SHIP_WAIT, busy_status=423)
 
 
 @app.post("/orders/{order_id}/charge")

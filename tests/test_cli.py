@@ -71,10 +71,10 @@ async def test_inspect_a_held_mutex_with_its_queue_in_order(
         "owner": info.owner,
         "lease_remaining_ms": view["summary"]["lease_remaining_ms"],
         "queue_length": 2,
-        "fence": 1,
+        "fence": holder.fencing_token,
     }
     [owner] = view["holders"]
-    assert owner["token"] == info.owner and owner["fence"] == 1
+    assert owner["token"] == info.owner and owner["fence"] == holder.fencing_token
     assert 0 < owner["lease_remaining_ms"] <= 30_000
     assert [waiter["token"] for waiter in view["queue"]] == probe.queued
     for position, waiter in enumerate(view["queue"], 1):
@@ -110,8 +110,9 @@ async def test_inspect_a_semaphore_and_a_rwlock(
 
     gpu = (await cli("inspect", "gpu", "--url", url, "--json")).json()
     assert gpu["kind"] == "semaphore" and gpu["state"] == "2/2 held"
-    assert gpu["summary"] == {"limit": 2, "holders": 2, "queue_length": 1, "fence": 2}
-    assert sorted(holder["fence"] for holder in gpu["holders"]) == [1, 2]
+    fences = [permit.fencing_token for permit in permits]
+    assert gpu["summary"] == {"limit": 2, "holders": 2, "queue_length": 1, "fence": fences[1]}
+    assert sorted(holder["fence"] for holder in gpu["holders"]) == fences
     assert [waiter["token"] for waiter in gpu["queue"]] == probe.queued[:1]
 
     rw = (await cli("inspect", "catalog", "--url", url, "--json")).json()
@@ -209,7 +210,7 @@ async def test_release_force_hands_the_mutex_to_a_waiter_of_another_client(
     # Without keyspace events and with a 30 s lease, only the grant message can wake it.
     holder = RedisMutex(r, "stuck", ttl=30)
     assert await holder.acquire()
-    owner = (await holder.inspect()).owner
+    owner, first = (await holder.inspect()).owner, holder.fencing_token
     other = client_for()
     waiter = RedisMutex(other, "stuck", ttl=30)
     probe = QueueProbe(other)
@@ -221,9 +222,11 @@ async def test_release_force_hands_the_mutex_to_a_waiter_of_another_client(
     waiting = await tasks.queued(probe, wait_and_hold())
     ran = await cli("release", "stuck", "--force", "--yes", "--url", url)
     assert ran.code == 0, ran.err
-    assert f"released mutex 'stuck' held by {owner} (fence 1)" in ran.out
-    assert f"handed to {probe.queued[0]} (fence 2)" in ran.out
-    assert await asyncio.wait_for(waiting, 10) == 2
+    assert f"released mutex 'stuck' held by {owner} (fence {first})" in ran.out
+    handed = (await holder.inspect()).fence
+    assert first is not None and handed > first
+    assert f"handed to {probe.queued[0]} (fence {handed})" in ran.out
+    assert await asyncio.wait_for(waiting, 10) == handed
     with pytest.raises(LockLost):
         await holder.release()  # the old holder learns it
     assert (await waiter.inspect()).owner == probe.queued[0]
@@ -238,7 +241,8 @@ async def test_release_force_one_semaphore_holder_by_token(
     assert await victim.acquire() and await keeper.acquire()
     lost = victim.lost
     view = (await cli("inspect", "slots", "--url", url, "--json")).json()
-    victim_token = next(h["token"] for h in view["holders"] if h["fence"] == 1)
+    victim_fence = victim.fencing_token
+    victim_token = next(h["token"] for h in view["holders"] if h["fence"] == victim_fence)
     other = client_for()
     waiting = await tasks.queued(
         QueueProbe(other), RedisSemaphore(other, "slots", limit=2).acquire()
@@ -250,7 +254,7 @@ async def test_release_force_one_semaphore_holder_by_token(
         "release", "slots", "--force", "--yes", "--token", victim_token[:8], "--url", url
     )
     assert ran.code == 0, ran.err
-    assert f"released semaphore 'slots' holder {victim_token} (fence 1)" in ran.out
+    assert f"released semaphore 'slots' holder {victim_token} (fence {victim_fence})" in ran.out
     assert await asyncio.wait_for(waiting, 10) is True
     await asyncio.wait_for(lost.wait(), 10)  # its next renewal found the permit gone
     assert (await keeper.inspect()).holders == 2  # the keeper's and the waiter's
@@ -380,7 +384,7 @@ async def test_demo_runs_workers_under_the_lock(url: str, r: redis.asyncio.Redis
     )  # fmt: skip
     assert ran.code == 0, ran.out + ran.err
     assert "counter     6 of 6: EXACT" in ran.out
-    assert "fences      1 .. 6 over 6 acquisitions, all distinct" in ran.out
+    assert re.search(r"fences      \d{16} \.\. \d{16} over 6 acquisitions, all distinct", ran.out)
     assert "worker 0" in ran.out and "worker 1" in ran.out  # the live table's last frame
     assert await r.dbsize() == 0  # its keys are gone
 

@@ -176,7 +176,7 @@ async def test_the_client_comes_from_the_lifespan_state_or_app_state(
     app.state.locks = r
     async with http(app) as c:
         assert (await c.post("/orders/1")).json()["lock"] == "b:1"
-    assert (await RedisMutex(r, "b:1").inspect()).fence == 1  # it was this server
+    assert (await RedisMutex(r, "b:1").inspect()).fence > 0  # it was this server
 
     async with http(orders_app(gate, request_lock("c:{order_id}"))) as c:
         with pytest.raises(RuntimeError, match=r"no Redis client.*lifespan.*app\.state\.redis"):
@@ -318,19 +318,36 @@ async def test_the_example_app(
         gate.opened[42].set()
         charged = await first
         assert charged.status_code == 200
-        assert charged.json() == {"order": 42, "amount": 4200, "fence": 1}
-        assert (await shipping).json() == {"order": 42, "fence": 2}
+        fence = charged.json()["fence"]
+        assert charged.json() == {"order": 42, "amount": 4200, "fence": fence}
+        shipped = (await shipping).json()
+        assert shipped["order"] == 42 and shipped["fence"] > fence
         again = await client.post("/orders/42/charge")  # later: the record says no
         assert again.json()["detail"] == {"error": "already_charged", "order": 42}
-    assert await r.hgetall("order:42") == {b"fence": b"1", b"amount": b"4200"}
+    assert await r.hgetall("order:42") == {b"fence": str(fence).encode(), b"amount": b"4200"}
     assert await is_free(r, "orders:42")
+
+
+@ONE_SERVER
+async def test_the_example_app_takes_no_lock_for_an_invalid_order_id(
+    r: redis.asyncio.Redis, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`POST /orders/xyz/charge` fails validation (422) and leaves nothing in Redis: the
+    lock is named from the validated id, so no lock is taken for it (issue 14)."""
+    example = load_example("fastapi_orders")
+    monkeypatch.setenv("REDIS_URL", url)
+    async with http(example.app) as client:
+        for path in ("/orders/xyz/charge", "/orders/xyz/ship"):
+            assert (await client.post(path)).status_code == 422
+    assert [key async for key in r.scan_iter("aiolocks:*")] == []
 
 
 async def test_the_example_app_starts_its_own_server(monkeypatch: pytest.MonkeyPatch) -> None:
     example = load_example("fastapi_orders")
     monkeypatch.delenv("REDIS_URL", raising=False)
     async with http(example.app) as client:
-        assert (await client.post("/orders/1/ship")).json() == {"order": 1, "fence": 1}
+        shipped = (await client.post("/orders/1/ship")).json()
+        assert shipped["order"] == 1 and shipped["fence"] > 0
 
 
 def test_import_aiolocks_needs_no_web_framework() -> None:

@@ -88,6 +88,7 @@ async def test_a_hand_off_is_confirmed_by_the_new_owner(
         waiter = RedisMutex(other, "r:handoff", replicas=1, ttl=30)
         probe = QueueProbe(other)
         assert await holder.acquire()
+        first = holder.fencing_token or 0
 
         async def take_and_look() -> tuple[int, bytes | str | None, str]:
             assert await waiter.acquire()
@@ -103,7 +104,7 @@ async def test_a_hand_off_is_confirmed_by_the_new_owner(
         await probe.wait_queued(1)
         await holder.release()  # hands the mutex to the waiter, by message
         fence, on_replica, token = await asyncio.wait_for(waiting, 10)
-        assert fence == 2
+        assert fence > first > 0
         assert on_replica == token.encode()
     finally:
         await other.aclose()

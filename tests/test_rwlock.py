@@ -141,12 +141,14 @@ async def test_readers_overlap(
     await room.wait_inside(labels)
     info = await locks[0].inspect()
     assert (info.name, info.writer, info.readers, info.queue_length) == (name, None, 6, 0)
-    assert info.fence == 6
+    assert info.fence == max(fences)
     room.let_go(*labels)
     await asyncio.wait_for(asyncio.gather(*readers), BOUND)
-    assert sorted(fences) == [1, 2, 3, 4, 5, 6]
+    assert len(set(fences)) == 6  # each reader its own fence
     info = await locks[1].inspect()
-    assert (info.writer, info.readers, info.queue_length, info.fence) == (None, 0, 0, 6)
+    assert (info.writer, info.readers, info.queue_length, info.fence) == (
+        None, 0, 0, max(fences)
+    )  # fmt: skip
 
 
 async def test_writer_excludes_readers_and_writers(
@@ -339,7 +341,8 @@ async def test_readers_queued_before_the_next_writer_enter_together(
     assert max(fences[label] for label in ("R1", "R2", "R3")) < fences["W2"]
     assert fences["W2"] < min(fences["R4"], fences["R5"])
     info = await first.inspect()
-    assert (info.writer, info.readers, info.queue_length, info.fence) == (None, 0, 0, 7)
+    assert (info.writer, info.readers, info.queue_length) == (None, 0, 0)
+    assert info.fence == max(fences.values())
 
 
 # -- reentry, timeouts ------------------------------------------------------------------------
@@ -361,15 +364,15 @@ async def test_the_other_side_by_the_same_task_is_reentry(
             with pytest.raises(LockReentry):
                 await attempt.acquire(blocking=False)
         info = await rw.inspect()
-        assert info.queue_length == 0 and info.fence == 1, info
+        assert info.queue_length == 0 and info.fence == mine.fencing_token, info
         assert (info.readers, info.writer is not None) == (
             (1, False) if held == "read" else (0, True)
         )
         assert mine.statistics().held_here == 1 and other.statistics().held_here == 0
     info = await rw.inspect()
-    assert (info.writer, info.readers, info.queue_length, info.fence) == (None, 0, 0, 1)
+    assert (info.writer, info.readers, info.queue_length) == (None, 0, 0)
     async with other:  # nothing was left behind: the other side is free
-        assert other.fencing_token == 2
+        assert (other.fencing_token or 0) > info.fence > 0
 
 
 async def test_timeout_from_the_constructor(
@@ -432,7 +435,7 @@ async def test_lost_reader_lease_frees_the_writer(
     assert waited <= ttl + SLACK, f"writer waited {waited:.3f}s"
     state = await writer_rw.inspect()
     assert state.writer is not None and state.readers == 0
-    assert reader_fence is not None and state.fence == reader_fence + 1
+    assert reader_fence is not None and state.fence > reader_fence
     await writer_rw.write().release()  # adopts the holding of the finished task
 
 

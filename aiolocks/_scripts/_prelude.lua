@@ -36,6 +36,40 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The server clock in microseconds since the epoch: about 1.8e15, exact in Lua's numbers
+-- (doubles hold every integer below 2^53, about 9.0e15, until the year 2255).
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- An integer as its decimal digits. Never let Lua or the server turn a large number into
+-- text: Lua's tostring and `..` keep 14 significant digits, and a fence has 16.
+local function int_str(n)
+  return string.format('%.0f', n)
+end
+
+-- Expiry: every key of a primitive lives while anyone holds or waits, and at most this long
+-- past the end of the last lease or liveness deadline that needed it (docs/architecture.md,
+-- "Fences and expiry"). A lease or deadline of ttl is written with the keys kept ttl + IDLE_MS.
+local IDLE_MS = 1000
+
+-- Keep `key` for at least `ms` more milliseconds: never shortens an expiry; gives one to a
+-- key that has none (written by an older version); leaves a missing key missing.
+local function keep_for(key, ms)
+  local left = redis.call('PTTL', key)
+  if left == -1 or (left >= 0 and left < ms) then
+    redis.call('PEXPIRE', key, int_str(ms))
+  end
+end
+
+-- keep_for every key of a list (a Lua table, e.g. a lease's keys) from index `first` on.
+local function keep_all(keys, first, ms)
+  for i = first, #keys do
+    keep_for(keys[i], ms)
+  end
+end
+
 local function split_member(member)
   local token, ttl, tag, kind = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
   return token, ttl, tag, kind
@@ -61,11 +95,13 @@ local function dequeue(queue, waiters, member)
   return false
 end
 
--- Put a member at the tail (once) and refresh its liveness deadline.
-local function enqueue(queue, waiters, member, deadline)
-  if redis.call('ZADD', waiters, deadline, member) == 1 then
+-- Put a member at the tail (once) and refresh its liveness deadline (now + ttl); the queue
+-- keys, and `extra` keys that must live as long as a waiter, are kept ttl + IDLE_MS.
+local function enqueue(queue, waiters, member, now, ttl, extra)
+  if redis.call('ZADD', waiters, now + tonumber(ttl), member) == 1 then
     redis.call('RPUSH', queue, member)
   end
+  keep_all({queue, waiters, unpack(extra or {})}, 1, tonumber(ttl) + IDLE_MS)
 end
 
 -- Pop the first queued (live) member; returns token, ttl_ms, tag, kind or nil.
@@ -86,7 +122,8 @@ local SHARDED_PUBSUB = (redis.REDIS_VERSION_NUM or 0) >= 458752
 -- Tell the new owner; skipped when it waits in the caller's own client (same tag).
 local function announce(channel, token, fence, ttl, tag, caller_tag)
   if tag ~= caller_tag then
-    redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel, token .. ' ' .. fence .. ' ' .. ttl)
+    local message = token .. ' ' .. int_str(fence) .. ' ' .. ttl
+    redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel, message)
   end
 end
 
@@ -104,18 +141,82 @@ local function fence_block(token)
   return tonumber(string.match(token, '%+(%d+)$')) or 1
 end
 
--- Count a grant of `token`: returns the first fence of its block.
-local function grant_fence(fence_key, token)
+-- Count a grant of `token` whose lease is `ttl` ms: returns the first fence of its block.
+-- The fence counter is a hybrid logical clock: a block starts above both the stored counter
+-- and the server clock in microseconds, so fences stay strictly increasing after the key
+-- expired (or was lost: a restart without persistence, a failover to a replica behind).
+-- The key outlives the lease by IDLE_MS, and never expires before the clock has passed the
+-- stored value: a cohort reserving blocks faster than one fence per microsecond runs the
+-- counter ahead of the clock, and its expiry is pushed back by as much.
+local function grant_fence(fence_key, token, ttl)
   local block = fence_block(token)
-  return redis.call('INCRBY', fence_key, block) - block + 1
+  local now = now_us()
+  local base = math.max(tonumber(redis.call('GET', fence_key)) or 0, now)
+  local last = base + block
+  local keep = tonumber(ttl) + IDLE_MS + math.ceil((last - now) / 1000)
+  local left = redis.call('PTTL', fence_key)
+  redis.call('SET', fence_key, int_str(last), 'PX', int_str(math.max(keep, left)))
+  return base + 1
 end
 
--- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash.
-local function hold_in_set(holders, fences, fence_key, token, ttl, now)
+-- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash;
+-- `extra` lists more keys to keep as long as the lease (e.g. a semaphore's stored limit).
+local function hold_in_set(holders, fences, fence_key, token, ttl, now, extra)
   redis.call('ZADD', holders, now + tonumber(ttl), token)
-  local fence = grant_fence(fence_key, token)
-  redis.call('HSET', fences, token, fence)
+  local fence = grant_fence(fence_key, token, ttl)
+  redis.call('HSET', fences, token, int_str(fence))
+  keep_all({holders, fences, unpack(extra or {})}, 1, tonumber(ttl) + IDLE_MS)
   return fence
+end
+
+-- Lease renewal, shared by renew_owner.lua / renew_member.lua and any batch of renewals.
+-- `keys` (a Lua table): the lease key first, then the keys that must outlive the lease (its
+-- fence counter, its fences hash, a semaphore's limit); each is kept ttl_ms + IDLE_MS.
+
+-- An owner key (mutex, RW writer) holding the token, with the lease as its PX.
+-- Returns 1 when extended, 0 when the token no longer holds it (the lease is lost).
+local function renew_owner_lease(keys, token, ttl_ms)
+  if redis.call('GET', keys[1]) ~= token then
+    return 0
+  end
+  redis.call('PEXPIRE', keys[1], int_str(ttl_ms))
+  keep_all(keys, 2, tonumber(ttl_ms) + IDLE_MS)
+  return 1
+end
+
+-- A member of a sorted set of holders (token -> lease deadline, server ms: semaphore, RW
+-- readers). Returns 1 when extended, 0 when the token no longer holds (or its lease ended).
+local function renew_member_lease(keys, token, ttl_ms, now)
+  local deadline = redis.call('ZSCORE', keys[1], token)
+  if not deadline or tonumber(deadline) < now then
+    return 0
+  end
+  redis.call('ZADD', keys[1], 'XX', now + tonumber(ttl_ms), token)
+  keep_all(keys, 1, tonumber(ttl_ms) + IDLE_MS)
+  return 1
+end
+
+-- Heartbeat: give each of one process's queued `members` of one primitive the liveness
+-- deadline now + its ttl. `keys`: the waiters zset first, then the keys kept as long as a
+-- waiter (its queue list, a semaphore's limit). Returns the 1-based indexes of members no
+-- longer queued (purged as dead): their waiters must re-run acquire to queue again.
+local function heartbeat_group(keys, members, now)
+  local missing = {}
+  local longest = 0
+  for i, member in ipairs(members) do
+    local _, ttl = split_member(member)
+    ttl = tonumber(ttl)
+    if redis.call('ZADD', keys[1], 'XX', 'CH', now + ttl, member) == 0
+        and not redis.call('ZSCORE', keys[1], member) then
+      missing[#missing + 1] = i
+    else
+      longest = math.max(longest, ttl)
+    end
+  end
+  if longest > 0 then
+    keep_all(keys, 1, longest + IDLE_MS)
+  end
+  return missing
 end
 
 -- Remove a holder from a sorted set of leases; 1 if its lease was still live, else 0.

@@ -10,7 +10,7 @@ end
 
 local function grant_writer(k, token, ttl)
   redis.call('SET', k.writer, token, 'PX', ttl)
-  return grant_fence(k.fence, token)
+  return grant_fence(k.fence, token, ttl)
 end
 
 -- Let in, in queue order, what can enter: a writer alone when nobody holds, or every

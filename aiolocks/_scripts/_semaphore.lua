@@ -8,7 +8,7 @@ local function sem_fill(k, limit, channel, caller_tag, now, grants)
     if not token then
       return
     end
-    local fence = hold_in_set(k.holders, k.fences, k.fence, token, ttl, now)
+    local fence = hold_in_set(k.holders, k.fences, k.fence, token, ttl, now, {k.limit})
     announce(channel, token, fence, ttl, tag, caller_tag)
     note_grant(grants, token, fence, ttl)
   end

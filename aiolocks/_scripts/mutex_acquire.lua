@@ -2,7 +2,7 @@
 -- KEYS[1] owner    STRING token of the holder, with the lease as its PX expiry
 -- KEYS[2] queue    LIST   waiting members, FIFO
 -- KEYS[3] waiters  ZSET   member -> liveness deadline (server ms)
--- KEYS[4] fence    STRING fencing counter, raised by every grant (by a block: _prelude.lua)
+-- KEYS[4] fence    STRING fencing counter, a hybrid logical clock (grant_fence, _prelude.lua)
 -- ARGV[1] member   "<token>:<ttl_ms>:<tag>:x" (see _prelude.lua)
 -- ARGV[2] 'wait' to queue when busy, 'try' not to    ARGV[3] channel for grants
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
@@ -15,13 +15,13 @@ local token, ttl, tag = split_member(member)
 
 local current = redis.call('GET', owner)
 if current == token then
-  redis.call('PEXPIRE', owner, ttl)
-  return {1, tonumber(redis.call('GET', fence_key)) - fence_block(token) + 1}
+  renew_owner_lease({owner, fence_key}, token, ttl)
+  return {1, (tonumber(redis.call('GET', fence_key)) or 0) - fence_block(token) + 1}
 end
 if not current and redis.call('LLEN', queue) == 0 then
   -- The uncontended path: free, nobody queued.
   redis.call('SET', owner, token, 'PX', ttl)
-  return {1, grant_fence(fence_key, token)}
+  return {1, grant_fence(fence_key, token, ttl)}
 end
 
 local now = now_ms()
@@ -33,16 +33,16 @@ if not current then
       dequeue(queue, waiters, member)
     end
     redis.call('SET', owner, token, 'PX', ttl)
-    return {1, grant_fence(fence_key, token)}
+    return {1, grant_fence(fence_key, token, ttl)}
   end
   -- Free while others wait ahead (the holder's lease ran out): hand it to the head.
   local next_token, next_ttl = pop_head(queue, waiters)
   redis.call('SET', owner, next_token, 'PX', next_ttl)
-  announce(channel, next_token, grant_fence(fence_key, next_token), next_ttl, nil, tag)
+  announce(channel, next_token, grant_fence(fence_key, next_token, next_ttl), next_ttl, nil, tag)
 end
 
 if mode == 'wait' then
-  enqueue(queue, waiters, member, now + tonumber(ttl))
+  enqueue(queue, waiters, member, now, ttl)
   return {0, redis.call('PTTL', owner)}
 end
 return {-1, redis.call('PTTL', owner)}

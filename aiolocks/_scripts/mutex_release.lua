@@ -29,7 +29,7 @@ if redis.call('LLEN', queue) == 0 then
   if status == 1 then
     if keep then
       redis.call('PEXPIRE', owner, ttl)
-      return {2, grant_fence(fence_key, token)}
+      return {2, grant_fence(fence_key, token, ttl)}
     end
     redis.call('DEL', owner)
   end
@@ -37,6 +37,6 @@ if redis.call('LLEN', queue) == 0 then
 end
 local next_token, next_ttl, next_tag = pop_head(queue, waiters)
 redis.call('SET', owner, next_token, 'PX', next_ttl)
-local fence = grant_fence(fence_key, next_token)
+local fence = grant_fence(fence_key, next_token, next_ttl)
 announce(channel, next_token, fence, next_ttl, next_tag, tag)
 return {status, next_token, fence, next_ttl}

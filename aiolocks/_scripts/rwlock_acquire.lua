@@ -13,9 +13,9 @@ local now = now_ms()
 local fence = rw_held(k, token, kind, now)
 if fence then  -- already granted (e.g. by a hand-off whose message was not read): re-arm
   if kind == 'w' then
-    redis.call('PEXPIRE', k.writer, ttl)
+    renew_owner_lease({k.writer, k.fence}, token, ttl)
   else
-    redis.call('ZADD', k.readers, now + tonumber(ttl), token)
+    renew_member_lease({k.readers, k.fences, k.fence}, token, ttl, now)
   end
   return {1, fence}
 end
@@ -36,7 +36,7 @@ if redis.call('LLEN', k.queue) == 0 and redis.call('EXISTS', k.writer) == 0 then
   end
 end
 if mode == 'wait' then
-  enqueue(k.queue, k.waiters, member, now + tonumber(ttl))
+  enqueue(k.queue, k.waiters, member, now, ttl)
   return {0, rw_wait_ms(k, now), unpack(grants)}
 end
 return {-1, rw_wait_ms(k, now), unpack(grants)}

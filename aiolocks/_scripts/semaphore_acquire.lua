@@ -15,13 +15,13 @@ local token, ttl, tag = split_member(member)
 local now = now_ms()
 local deadline = redis.call('ZSCORE', k.holders, token)
 if deadline and tonumber(deadline) >= now then  -- already granted (maybe unread): re-arm
-  redis.call('ZADD', k.holders, now + tonumber(ttl), token)
+  renew_member_lease({k.holders, k.fences, k.fence, k.limit}, token, ttl, now)
   return {1, tonumber(redis.call('HGET', k.fences, token))}
 end
 
 local stored = redis.call('GET', k.limit)
-if not stored then
-  redis.call('SET', k.limit, limit)
+if not stored then  -- kept as long as a holder or waiter, from the grant or enqueue below
+  redis.call('SET', k.limit, limit, 'PX', int_str(tonumber(ttl) + IDLE_MS))
 elseif tonumber(stored) ~= limit then
   if not redis.call('ZSCORE', k.waiters, member) then
     return {-2, tonumber(stored)}
@@ -37,10 +37,10 @@ if redis.call('ZSCORE', k.holders, token) then  -- it was queued and its turn ca
   return {1, tonumber(redis.call('HGET', k.fences, token)), unpack(grants)}
 end
 if redis.call('LLEN', k.queue) == 0 and redis.call('ZCARD', k.holders) < limit then
-  return {1, hold_in_set(k.holders, k.fences, k.fence, token, ttl, now), unpack(grants)}
+  return {1, hold_in_set(k.holders, k.fences, k.fence, token, ttl, now, {k.limit}), unpack(grants)}
 end
 if mode == 'wait' then
-  enqueue(k.queue, k.waiters, member, now + tonumber(ttl))
+  enqueue(k.queue, k.waiters, member, now, ttl, {k.limit})
   return {0, first_expiry(k.holders, now), unpack(grants)}
 end
 return {-1, first_expiry(k.holders, now), unpack(grants)}

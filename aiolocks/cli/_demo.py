@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
 
 
 async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
-    prefix = f"aiolocks-demo:{secrets.token_hex(4)}"  # fresh keys: fences start at 1
+    prefix = f"aiolocks-demo:{secrets.token_hex(4)}"  # fresh keys, gone after the run
     workers, iterations = args.workers, args.iterations
     async with connected(url, args.connect_timeout) as client:
         try:
