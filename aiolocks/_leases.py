@@ -21,6 +21,7 @@ import heapq
 import itertools
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +49,10 @@ RENEW_BATCH = load_batch("renew_batch", _OPERATIONS)
 # Leases (or heartbeated waiters) per script call: the server runs one call for about
 # 1 µs per lease, so a call of 500 blocks it for well under a millisecond (measured in
 # `benchmarks/bench_scale.py --calls`), and client CPU per lease is flat from about 100.
-BATCH = 500
+BATCH = 250
 # Script calls in one pipeline at most; a round with more due waits for the next turn of
 # the event loop, so a burst of renewals never holds the loop (and acquisitions) long.
-_ROUND = 20
+_ROUND = 8
 # Renewal pipelines in flight at most: one normally; more only while the server is slow.
 _LANES = 4
 # A lease due within this share of its renewal period from now is renewed with the one due.
@@ -359,31 +360,63 @@ class LeaseKeeper:
 
     async def _renew(self, leases: list[Lease], groups: list[_HeartbeatGroup], now: float) -> None:
         calls = self._calls(leases) + self._heartbeats(groups)
-        # Never wait past the moment a lease of the batch stops being known valid, nor
-        # longer than a third of its shortest lease: redis-py's own retries with back-off
-        # can keep one call busy for seconds after the server is back (a failover, a
-        # restart), and a fresh call a moment later gets through where that one is still
-        # sleeping. (Leases not in this batch are the keeper loop's, which never waits.)
-        bound = min(
-            [min(lease.valid_until - now, lease.ttl / 3) for lease in leases]
-            + [group.period for group in groups]
+        # The batch fails when the first of its leases stops being known valid; a call not
+        # answered within a third of its shortest lease gets a fresh copy sent beside it.
+        deadline = now + min(
+            [lease.valid_until - now for lease in leases] + [group.period for group in groups]
         )
-        sent_at = time.monotonic()
-        # If the batch is cancelled (the loop shutting down) while the call ignores its own
-        # cancellation (redis-py can, mid-read), wait_for leaves the call's later error
-        # unread: read it here, so it is never logged as "never retrieved".
-        call = asyncio.ensure_future(self._send([c.staged() for c in calls]))
-        call.add_done_callback(_read_outcome)
+        patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
         try:
-            replies = await asyncio.wait_for(call, max(bound, _RETRY_MIN))
+            replies, sent_at = await self._attempt(
+                [call.staged() for call in calls], deadline, max(patience, _RETRY_MIN)
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if cancelling():
                 return  # shutting down: a dropped socket raced the cancellation
             log.debug("aiolocks: renewal failed: %r", exc)
-            replies = [exc] * len(calls)
+            replies, sent_at = [exc] * len(calls), time.monotonic()
         self._settle(leases, groups, calls, replies, sent_at)
+
+    async def _attempt(
+        self, staged: list[Staged], deadline: float, patience: float
+    ) -> tuple[list[Any], float]:
+        """Send `staged` in one pipeline: (its replies, when it was sent). Unanswered after
+        `patience`, the same is sent again beside it and the first answer is taken (every
+        renewal is idempotent): a call stuck in redis-py's retry back-off after a failover
+        is overtaken by a fresh one, while a call that is merely slow (a busy event loop, a
+        busy server) still counts. TimeoutError at `deadline`."""
+        pending: dict[asyncio.Future[list[Any]], float] = {}
+        failure: Exception | None = None
+        next_try = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise failure or TimeoutError("no reply before the leases' validity ended")
+                if now >= next_try:
+                    # Its outcome is read even if nobody waits for it any more, so a late
+                    # error is never logged as "never retrieved".
+                    call = asyncio.ensure_future(self._send(staged))
+                    call.add_done_callback(_read_outcome)
+                    pending[call] = now
+                    next_try = now + patience
+                done, _ = await asyncio.wait(
+                    pending, timeout=min(deadline, next_try) - now, return_when=FIRST_COMPLETED
+                )
+                for answered in done:
+                    sent_at = pending.pop(answered)
+                    error = None if answered.cancelled() else answered.exception()
+                    if error is None and not answered.cancelled():
+                        return answered.result(), sent_at
+                    if isinstance(error, Exception):
+                        failure = error
+                if failure is not None and not pending:
+                    raise failure
+        finally:
+            for left in pending:
+                left.cancel()
 
     async def _send(self, calls: list[Staged]) -> list[Any]:
         if self._lanes is None:

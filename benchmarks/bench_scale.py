@@ -102,7 +102,7 @@ async def key_sample(admin: redis.asyncio.Redis, limit: int = 5) -> list[str]:
 async def worker(spec: dict[str, Any]) -> dict[str, Any]:
     n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
     tally = _Tally()
-    telemetry.recorder = tally  # type: ignore[assignment]
+    telemetry.recorder = tally
     client = redis.asyncio.Redis.from_url(spec["url"])
     admin = redis.asyncio.Redis.from_url(spec["url"])
     result: dict[str, Any] = {"n": n, "ttl_s": ttl, "hold_s": hold, "loadavg_start": loadavg()}
@@ -138,12 +138,13 @@ async def worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["acquire_per_s"] = round(acquired / elapsed, 1)
         result["acquire_cpu_us_each"] = round((time.process_time() - cpu) / acquired * 1e6, 1)
         ends = sorted(at for at in done_at if at)
-        tenth, rates, start = max(1, acquired // TENTHS), [], began
+        tenth, since = max(1, acquired // TENTHS), began
+        rates: list[float] = []
         for k in range(TENTHS):
             chunk = ends[k * tenth : (k + 1) * tenth]
             if chunk:
-                rates.append(round(len(chunk) / max(chunk[-1] - start, 1e-9), 1))
-                start = chunk[-1]
+                rates.append(round(len(chunk) / max(chunk[-1] - since, 1e-9), 1))
+                since = chunk[-1]
         result["acquire_per_s_by_tenth"] = rates
         gc.collect()
         result["client_bytes_per_lease"] = round((rss_bytes() - rss0) / acquired)
