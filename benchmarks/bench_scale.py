@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py [--url URL] [--sizes 1000,10000,100000] [--ttl 15]
         [--hold 30] [--idle auto] [--acquire-cap 600] [--json PATH] [--label TEXT]
+    python benchmarks/bench_scale.py --calls [--url URL] [--json PATH]
 
 For each N (a fresh worker process each, the server FLUSHALLed first), one client:
 
@@ -14,6 +15,12 @@ For each N (a fresh worker process each, the server FLUSHALLed first), one clien
    process CPU time per renewal, and leases lost;
 3. releases them all and waits the idle window (`--idle`, by default 2 x ttl + 1 s), then
    counts the keys left (`DBSIZE`) and the server memory left.
+
+`--calls` measures how many leases one renewal script call should carry (the keeper's
+`BATCH`): 2,000 mutexes are held, then the keeper's own batch calls for the first B of
+them are sent again and again, for B from 1 to 2,000: the server's time per call and per
+lease (`INFO commandstats`, EVALSHA) and the client's CPU per lease (building, sending,
+reading). Results in `results/scale_calls.json`.
 
 Memory per held lease: the server's `used_memory` and the worker's RSS, after the
 acquisitions minus before them, divided by N (the client figure includes the
@@ -39,8 +46,10 @@ from typing import Any
 import redis.asyncio
 from _harness import RESULTS, bench_server, loadavg, machine, server_calls, server_info, write_json
 
-from aiolocks import LockLost, RedisMutex
+from aiolocks import LockLost, RedisMutex, _leases
 from aiolocks import _telemetry as telemetry
+from aiolocks._context import context_for
+from aiolocks._leases import BATCH
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 256  # tasks acquiring at once
@@ -214,6 +223,52 @@ async def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+CALL_SIZES = (1, 10, 50, 100, 250, 500, 1000, 2000)
+
+
+async def call_sizes(url: str) -> list[dict[str, Any]]:
+    """Server time per renewal call and per lease, client CPU per lease, by leases per call."""
+    client = redis.asyncio.Redis.from_url(url)
+    admin = redis.asyncio.Redis.from_url(url)
+    rows = []
+    try:
+        await admin.flushall()
+        locks = [RedisMutex(client, f"calls:{i}", ttl=60) for i in range(max(CALL_SIZES))]
+        assert all(await asyncio.gather(*(lock.acquire() for lock in locks)))
+        context = context_for(client)
+        keeper = context.keeper
+        leases = [h.lease for lock in locks for h in lock._holdings.values() if h.lease]
+        for size in CALL_SIZES:
+            rounds = max(5, 20_000 // size)
+            _leases.BATCH = size  # (this process only: one call of `size` leases)
+            calls = keeper._calls(leases[:size])
+            assert len(calls) == 1
+            await context.pipeline([calls[0].staged()])  # the script is loaded
+            await admin.config_resetstat()
+            cpu = time.process_time()
+            for _ in range(rounds):
+                (reply,) = await context.pipeline([keeper._calls(leases[:size])[0].staged()])
+                assert reply == [], reply
+            cpu = time.process_time() - cpu
+            stats = (await admin.info("commandstats"))["cmdstat_evalsha"]
+            rows.append(
+                {
+                    "leases_per_call": size,
+                    "server_us_per_call": round(stats["usec_per_call"], 1),
+                    "server_us_per_lease": round(stats["usec_per_call"] / size, 2),
+                    "client_cpu_us_per_lease": round(cpu / rounds / size * 1e6, 2),
+                    "loadavg": loadavg(),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        _leases.BATCH = BATCH
+        await context_for(client).aclose()
+        await client.aclose()
+        await admin.aclose()
+    return rows
+
+
 async def measure(url: str, spec: dict[str, Any]) -> dict[str, Any]:
     admin = redis.asyncio.Redis.from_url(url)
     try:
@@ -254,6 +309,28 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "keys_left_after_idle": row.get("keys_left_after_idle"),
         }
     return report
+
+
+async def main_calls(args: argparse.Namespace) -> None:
+    began = time.monotonic()
+    with bench_server(args.url) as (url, source):
+        server = {**await server_info(url), "source": source}
+        rows = await call_sizes(url)
+    report = {
+        "label": args.label,
+        "machine": machine(),
+        "server": server,
+        "took_s": round(time.monotonic() - began, 1),
+        "batch_in_use": BATCH,
+        "fields": {
+            "server_us_per_call": "INFO commandstats usec_per_call of EVALSHA (renew_batch.lua)",
+            "client_cpu_us_per_lease": "process CPU to build, send and read one call / leases",
+        },
+        "rows": rows,
+    }
+    path = Path(args.json) if args.json else RESULTS / "scale_calls.json"
+    write_json(path, report)
+    print(f"wrote {path}")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -301,6 +378,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--acquire-cap", type=float, default=600.0, help="stop acquiring after")
     parser.add_argument("--json", help=f"default {RESULTS / 'scale.json'}")
     parser.add_argument("--label", default="")
+    parser.add_argument("--calls", action="store_true", help="measure leases per call")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -309,5 +387,7 @@ if __name__ == "__main__":
     arguments = parse()
     if arguments.worker:
         print(json.dumps(asyncio.run(worker(json.loads(arguments.worker)))), flush=True)
+    elif arguments.calls:
+        asyncio.run(main_calls(arguments))
     else:
         asyncio.run(main(arguments))
