@@ -44,8 +44,10 @@ __all__ = [
 
 Kind = Literal["mutex", "semaphore", "rwlock"]
 KINDS: tuple[Kind, ...] = ("mutex", "semaphore", "rwlock")
-# What may stay behind by design once nothing is held or queued (docs/architecture.md):
-# the fence counter of every primitive, and the stored limit of a semaphore.
+# What may stay behind for the idle window (ttl + 1 s) once nothing is held or queued, with
+# an expiry (docs/architecture.md, "What counts as orphaned"): the fence counter of every
+# primitive, and the stored limit of a semaphore. Anything else, or any key without an
+# expiry, is an orphan.
 _KEPT = {"mutex": {"fence"}, "semaphore": {"fence", "limit"}, "rwlock": {"fence"}}
 
 
@@ -85,9 +87,15 @@ async def aiolocks_keys(client: redis.asyncio.Redis, kind: str, name: str) -> di
 
 
 async def leftovers(client: redis.asyncio.Redis, kind: str, name: str) -> dict[str, str]:
-    """The keys of `name` that should be gone when nobody holds or waits (orphans)."""
+    """The keys of `name` that should be gone when nobody holds or waits (orphans): any
+    but the fence counter and a semaphore's limit, and any without an expiry."""
     keys = await aiolocks_keys(client, kind, name)
-    return {part: key_type for part, key_type in keys.items() if part not in _KEPT[kind]}
+    prefix = f"aiolocks:{kind}:{{{name}}}:"
+    return {
+        part: key_type
+        for part, key_type in keys.items()
+        if part not in _KEPT[kind] or await client.pttl(prefix + part) < 0
+    }
 
 
 async def snapshot(client: redis.asyncio.Redis) -> dict[bytes, tuple[bytes | None, bool]]:

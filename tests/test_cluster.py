@@ -117,7 +117,7 @@ async def test_contended_locks_on_every_node(cluster_r: RedisCluster, cluster: C
     assert most == dict.fromkeys(names, 1)
     for name in names:
         info = await RedisMutex(cluster_r, name).inspect()
-        assert (info.owner, info.queue_length, info.fence) == (None, 0, 40)
+        assert (info.owner, info.queue_length) == (None, 0) and info.fence > 0
 
 
 async def test_mutual_exclusion_across_processes_on_a_cluster(
@@ -148,7 +148,7 @@ async def test_mutual_exclusion_across_processes_on_a_cluster(
                 fences[name] += mine
     for name in names:
         assert await cluster_r.get(f"test:{{{name}}}:counter") == str(workers * iterations).encode()
-        assert sorted(fences[name]) == list(range(1, workers * iterations + 1)), name
+        assert len(set(fences[name])) == workers * iterations, name  # each fence used once
 
 
 class Turns:
@@ -206,7 +206,9 @@ async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster
         await turns.finish(30)
     finally:
         await other.aclose()
-    assert turns.taken == [(index, first_fence + 1 + index) for index in range(6)]
+    assert [index for index, _ in turns.taken] == list(range(6))
+    taken = [fence for _, fence in turns.taken]
+    assert taken == sorted(set(taken)) and taken[0] > first_fence, (first_fence, taken)
     info = await RedisMutex(cluster_r, name).inspect()
     assert (info.owner, info.queue_length) == (None, 0)
     async with redis.asyncio.Redis(host="127.0.0.1", port=target.port) as node:
@@ -331,7 +333,7 @@ async def test_a_command_redis_py_dropped_before_sending_is_sent_again(
     try:
         mutex = RedisMutex(client, "dropped")
         async with mutex:
-            assert mutex.fencing_token == 1
+            assert (mutex.fencing_token or 0) > 0
         assert client.drops == 0
     finally:
         await client.aclose()

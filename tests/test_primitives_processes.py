@@ -171,10 +171,10 @@ async def test_holder_crash_frees_within_ttl(
         assert waited <= ttl + SLACK, f"took {waited:.3f}s"
         if kind == "semaphore":
             info = await sem.inspect()
-            assert (info.holders, info.queue_length, info.fence) == (1, 0, crasher_fence + 1)
+            assert (info.holders, info.queue_length) == (1, 0) and info.fence > crasher_fence
         else:
             rw_info = await rw.inspect()
-            assert rw_info.queue_length == 0 and rw_info.fence == crasher_fence + 1, rw_info
+            assert rw_info.queue_length == 0 and rw_info.fence > crasher_fence, rw_info
             if kind == "read":
                 assert rw_info.writer is not None and rw_info.readers == 0, rw_info
             else:

@@ -110,6 +110,26 @@ async def test_a_hand_off_is_confirmed_by_the_new_owner(
         await other.aclose()
 
 
+async def test_fences_rise_across_a_failover_to_the_replica(
+    replicated: tuple[redis.asyncio.Redis, redis.asyncio.Redis],
+) -> None:
+    """Grants confirmed on the replica (replicas=1); the replica is promoted (REPLICAOF NO
+    ONE): its fence counters have their expiry, and every kind's next fence on it is above
+    the ones the old primary handed out (issue 14)."""
+    primary, replica = replicated
+    before: dict[str, int] = {}
+    for lock in _primitives(primary, "fo", replicas=1, ttl=5):
+        async with lock:
+            before[lock.name] = lock.fencing_token
+    await primary.execute_command("WAIT", 1, 5_000)  # type: ignore[no-untyped-call]
+    await replica.execute_command("REPLICAOF", "NO", "ONE")  # type: ignore[no-untyped-call]
+    for lock in _primitives(replica, "fo", ttl=5):
+        fence_key = lock._spec.channel.removesuffix(b":wake") + b":fence"
+        assert 0 < await replica.pttl(fence_key) <= 6_000, fence_key
+        async with lock:
+            assert lock.fencing_token > before[lock.name], lock.name
+
+
 async def test_without_replicas_the_grant_is_given_back(r: redis.asyncio.Redis) -> None:
     for lock in _primitives(r, "nr", replicas=1, replica_timeout=0.1, ttl=30):
         with pytest.raises(NotReplicated) as info:
