@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from _probes import QueueProbe
+from _probes import QueueProbe, Renewals
 from _servers import ServerProcess
 
 from aiolocks import RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
@@ -19,45 +19,6 @@ from aiolocks._context import context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._leases import BATCH, RENEW_BATCH, Lease, pack
 from aiolocks.testing import expire_leases
-
-
-class Renewals:
-    """A telemetry recorder that only counts: renewal batches settled, leases lost."""
-
-    def __init__(self) -> None:
-        self.count = 0  # leases renewed
-        self.lost = 0
-        self.changed = asyncio.Event()
-
-    def acquire_started(self, lock: object) -> object:
-        return None
-
-    def acquire_ended(self, *args: object) -> None:
-        pass
-
-    def released(self, *args: object) -> None:
-        pass
-
-    def handed_off(self, *args: object) -> None:
-        pass
-
-    def lease_lost(self, *args: object) -> None:
-        self.lost += 1
-        self.changed.set()
-
-    def renewed(self, leases: Sequence[Any], results: Sequence[object]) -> None:
-        self.count += sum(1 for result in results if result == 1)
-        self.changed.set()
-
-    async def until(self, renewed: int, timeout: float) -> None:
-        """Wait (bounded) until `renewed` leases in all have been renewed."""
-
-        async def wait() -> None:
-            while self.count < renewed:
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(wait(), timeout)
 
 
 @pytest.fixture
