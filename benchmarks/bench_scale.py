@@ -306,6 +306,9 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "round_trips_per_100_leases_per_period": row.get(
                 "round_trips_per_100_leases_per_period"
             ),
+            "script_calls_per_100_leases_per_period": row.get(
+                "script_calls_per_100_leases_per_period"
+            ),
             "keys_left_after_idle": row.get("keys_left_after_idle"),
         }
     return report
