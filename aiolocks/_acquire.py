@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -177,7 +176,7 @@ async def acquire(
                 return Grant(token, waiter.fence, waiter.granted_at)
             if wake is Wake.DEADLINE:
                 return None
-    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+    except TimeoutError:
         return None  # `_bounded` ran out of time while Redis was slow: same as the deadline
     finally:
         if waiter is not None:
@@ -276,21 +275,12 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-if sys.version_info >= (3, 11):
-
-    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
-        if deadline is None:
-            return await awaitable
-        loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-        async with asyncio.timeout_at(loop_deadline):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-
-    async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
-        if deadline is None:
-            return await awaitable
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+async def _bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
+    if deadline is None:
+        return await awaitable
+    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+    async with asyncio.timeout_at(loop_deadline):
+        return await awaitable
 
 
 async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:

@@ -19,10 +19,9 @@ __all__ = ["pending", "redeliver"]
 
 
 def pending() -> int:
-    """How many cancellation requests of the current task are pending (0 before 3.11)."""
+    """How many cancellation requests of the current task are pending (0 outside a task)."""
     task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if cancelling is not None else 0
+    return 0 if task is None else task.cancelling()
 
 
 def redeliver(before: int) -> None:

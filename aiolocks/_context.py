@@ -60,10 +60,56 @@ def context_for(client: AnyRedis) -> ClientContext:
         setattr(client, _ATTRIBUTE, per_loop)
     context = per_loop.get(loop)
     if context is None or context.closed:
-        for old in [old for old in per_loop if old.is_closed()]:
-            del per_loop[old]  # a client reused across asyncio.run() calls
+        _check_other_loops(client, per_loop, loop)
         context = per_loop[loop] = ClientContext(client)
     return context
+
+
+def _check_other_loops(
+    client: AnyRedis,
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Refuse a client whose connections belong to another event loop (redis-py binds each
+    connection to the loop that opened it; used from another, it fails at some later call,
+    or at `aclose()`). Runs once per client and loop, off the hot path.
+
+    Allowed: a client used again after its loop ended, once `await client.aclose()` has
+    closed its connections on that loop (redis-py then opens new ones on the new loop)."""
+    for other in list(per_loop):
+        if other is loop:
+            continue
+        if not other.is_closed():
+            raise RuntimeError(
+                f"this Redis client is in use on another event loop ({_describe(other)}); "
+                "redis-py binds a client's connections to one loop: make one client per "
+                "event loop (per thread that runs one)"
+            )
+        if _holds_connections(client):
+            raise RuntimeError(
+                "this Redis client was used on an event loop that has ended, and still "
+                "holds connections opened on it (redis-py binds them to that loop): "
+                "`await client.aclose()` before the loop ends, or make one client per "
+                "event loop (per asyncio.run())"
+            )
+        del per_loop[other]  # a client closed, then reused by a later asyncio.run()
+
+
+def _describe(loop: asyncio.AbstractEventLoop) -> str:
+    state = "running" if loop.is_running() else "not closed"
+    return f"{type(loop).__name__} at {id(loop):#x}, {state}"
+
+
+def _holds_connections(client: AnyRedis) -> bool:
+    """Has the client open connections (redis-py keeps no public list: its pool's lists, and
+    a `single_connection_client`'s own; a Cluster client's are per node, not looked at)?"""
+    pool = getattr(client, "connection_pool", None)
+    connections = [
+        *getattr(pool, "_available_connections", ()),
+        *getattr(pool, "_in_use_connections", ()),
+        getattr(client, "connection", None),
+    ]
+    return any(getattr(connection, "is_connected", False) for connection in connections)
 
 
 class ClientContext:

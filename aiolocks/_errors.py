@@ -6,7 +6,6 @@ builds its own message, so callers never format one by hand.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -74,9 +73,9 @@ def map_redis_errors(name: str) -> Iterator[None]:
     try:
         yield
     except (
+        TimeoutError,
         redis.exceptions.ConnectionError,
         redis.exceptions.TimeoutError,
-        asyncio.TimeoutError,
         OSError,
     ) as exc:
         raise ServerUnavailable(name, f"Redis unreachable: {exc}") from exc

@@ -13,12 +13,11 @@ import functools
 import logging
 import math
 import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar
 
 import anyio
 from redis.asyncio.cluster import RedisCluster
@@ -28,6 +27,7 @@ from ._clients import AnyRedis, ensure_async_client
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
 from ._errors import (
+    LockError,
     LockLost,
     LockNotOwned,
     LockReentry,
@@ -35,13 +35,10 @@ from ._errors import (
     NotReplicated,
     map_redis_errors,
 )
+from ._handle import LockHandle
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._leases import Lease
-
-if sys.version_info >= (3, 11):
-    from typing import Self
-else:  # pragma: no cover
-    from typing_extensions import Self
+from ._scripts import Script
 
 __all__ = ["DEFAULT_TTL", "Holding", "LeasedLock", "LockStatistics", "validate_timeout"]
 
@@ -112,6 +109,15 @@ def _validate_ttl(ttl: object) -> float:
     return seconds
 
 
+def _validate_max_hold(max_hold: object) -> float | None:
+    if max_hold is None:
+        return None
+    seconds = _seconds(max_hold, "max_hold", "a number of seconds or None")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"max_hold must be a finite number of seconds > 0, got {max_hold!r}")
+    return seconds
+
+
 @dataclass(frozen=True, slots=True)
 class LockStatistics:
     """A cheap local snapshot of one primitive instance (no Redis call)."""
@@ -131,7 +137,7 @@ class LockStatistics:
 class Holding:
     """One acquisition: owned by one task, with its own token, fence and lease."""
 
-    __slots__ = ("fence", "lease", "lost", "lost_reason", "task", "token")
+    __slots__ = ("cap", "fence", "lease", "lost", "lost_reason", "task", "token")
 
     def __init__(self, task: asyncio.Task[Any], token: str, fence: int) -> None:
         self.task = task
@@ -140,6 +146,7 @@ class Holding:
         self.lease: Lease | None = None
         self.lost = asyncio.Event()
         self.lost_reason: str | None = None
+        self.cap: asyncio.TimerHandle | None = None  # ends it at `max_hold`
 
 
 class LeasedLock:
@@ -147,6 +154,7 @@ class LeasedLock:
 
     _kind = "lock"
     _local_handoff = 0  # > 0: tasks of this process pass the lease on (see _cohort.py)
+    _handle_kind = ""  # the `LockHandle.kind` of its holdings (see detach / adopt)
 
     def __init__(
         self,
@@ -159,6 +167,7 @@ class LeasedLock:
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
@@ -171,6 +180,10 @@ class LeasedLock:
         self._on_lost = on_lost
         self._replicas = _validate_replicas(replicas, self._client)
         self._replica_timeout_ms = _validate_replica_timeout(replica_timeout)
+        self._max_hold = _validate_max_hold(max_hold)
+        if self._max_hold is not None and self._local_handoff:
+            # A cohort's lease outlives each local holding; capping one would end the chain.
+            raise ValueError("max_hold cannot be combined with local_handoff")
         self._holdings: dict[asyncio.Task[Any], Holding] = {}
         self._scopes: dict[asyncio.Task[Any], anyio.CancelScope] = {}
         self._waiting = 0
@@ -227,9 +240,7 @@ class LeasedLock:
             self._waiting -= 1
         if grant is None:
             return False
-        holding = self._install(task, grant.token, grant.fence)
-        holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
-        context.keeper.hold(holding.lease)
+        self._hold(context, task, grant)
         return True
 
     async def _acquire_grant(
@@ -282,6 +293,13 @@ class LeasedLock:
                 )
             raise
 
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+        """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
+        holding = self._install(task, grant.token, grant.fence)
+        holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
+        context.keeper.hold(holding.lease)
+        self._cap(context, holding, grant.granted_at)
+
     def _new_lease(self, grant: _acquire.Grant, on_lost: Callable[[str], None]) -> Lease:
         return Lease(
             self._spec.renew,
@@ -301,6 +319,35 @@ class LeasedLock:
         self._holdings[task] = holding
         return holding
 
+    def _cap(self, context: ClientContext, holding: Holding, since: float) -> None:
+        """Arm `max_hold` for `holding`, counted from `since` (monotonic)."""
+        if self._max_hold is None or holding.lease is None:
+            return
+        delay = max(0.0, since + self._max_hold - time.monotonic())
+        holding.cap = asyncio.get_running_loop().call_later(
+            delay, self._max_hold_reached, context, holding
+        )
+
+    def _max_hold_reached(self, context: ClientContext, holding: Holding) -> None:
+        """Stop renewing `holding` and report it lost; its lease then ends on the server by
+        itself (or sooner, when the cancelled body releases it)."""
+        holding.cap = None
+        lease = holding.lease
+        if lease is None or lease.lost or holding.lost.is_set():
+            return
+        self._stop_renewal(context, holding)
+        lease.lost = True
+        assert self._max_hold is not None
+        self._lease_lost(
+            holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
+        )
+
+    @staticmethod
+    def _uncap(holding: Holding) -> None:
+        if holding.cap is not None:
+            holding.cap.cancel()
+            holding.cap = None
+
     async def release(self) -> None:
         """Release the current task's holding.
 
@@ -308,15 +355,15 @@ class LeasedLock:
         finished is adopted), and `LockLost` if the lease had been lost meanwhile.
         """
         holding = self._take_holding()
+        self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if holding.lease is not None and not self._local_handoff:
-            context.keeper.drop(holding.lease)  # a cohort's lease is the cohort's to drop
+        if not self._local_handoff:
+            self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
             # Best-effort: the key is gone or someone else's; this only tidies the queue.
             await _acquire.shielded(
-                lambda: _acquire.release(context, self._spec, holding.token, self._ttl_ms),
-                _acquire.CLEANUP_BOUND,
+                lambda: self._release_call(context, holding.token), _acquire.CLEANUP_BOUND
             )
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
@@ -324,9 +371,7 @@ class LeasedLock:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 held = await cohort.release(self, holding)
             else:
-                held = await _acquire.release_surely(
-                    context, self._spec, holding.token, self._ttl_ms
-                )
+                held = await self._release_surely(context, holding.token)
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.
@@ -337,19 +382,114 @@ class LeasedLock:
             holding.lost.set()
             raise self._lost_error(holding)
 
+    # -- hand-over to another process --------------------------------------------------
+
+    def detach(self) -> LockHandle:
+        """Let go of the current task's holding here without releasing it, for another
+        process to `adopt()`: renewal here stops, so adopt it within the `ttl`.
+
+        Raises `LockNotOwned` if the task holds nothing, `LockLost` if the lease had been
+        lost, and `LockError` for a `local_handoff` holding (its lease is the process's).
+        """
+        self._check_handover()
+        holding = self._find_holding()
+        if holding.lost.is_set():
+            raise self._lost_error(holding)
+        del self._holdings[holding.task]
+        self._uncap(holding)
+        self._stop_renewal(context_for(self._client), holding)
+        _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
+        return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
+
+    async def adopt(self, handle: LockHandle) -> None:
+        """Take over a holding another process `detach()`ed: the current task holds it now,
+        renewed and released here, with the handle's `fencing_token`.
+
+        The server hands it to a new token of this process in one script, so a handle is
+        adopted once only, across every process. Raises `LockLost` at once if that holding
+        has ended (or its handle was adopted already): nothing is acquired anew, nothing
+        queued. Raises `LockError` for a handle of another kind, name or prefix.
+        """
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"adopt() takes a LockHandle, not {type(handle).__name__}")
+        self._check_handover()
+        mine = (self._handle_kind, self._name, self._prefix)
+        if (handle.kind, handle.name, handle.prefix) != mine:
+            raise LockError(
+                self._name,
+                f"the handle is of {handle.kind} {handle.name!r} (prefix {handle.prefix!r}), "
+                f"not of this {self._handle_kind} (prefix {self._prefix!r})",
+            )
+        task = _current_task()
+        if task in self._holdings or self._held_elsewhere(task) is not None:
+            raise LockReentry(self._name, "the current task already holds it")
+        context = context_for(self._client)
+        token = secrets.token_hex(16)
+        script, keys = self._adopt_call()
+        sent_at = time.monotonic()
+        try:
+            with map_redis_errors(self._name):
+                taken = await context.run(script, keys, (handle.token, token, self._ttl_ms))
+        except BaseException:
+            # The script may have run: give back what the new token may hold.
+            await _acquire.shielded(
+                lambda: self._release_call(context, token), _acquire.CLEANUP_BOUND
+            )
+            raise
+        if not int(taken):
+            raise LockLost(
+                self._name,
+                "the handed-over holding has ended, or its handle was adopted already "
+                "(a handle is adopted once)",
+                token=handle.token,
+            )
+        self._hold(context, task, _acquire.Grant(token, handle.fencing_token, sent_at))
+
+    def _check_handover(self) -> None:
+        if not self._handle_kind:
+            raise LockError(self._name, f"a {type(self).__name__} cannot be handed over")
+        if self._local_handoff:
+            raise LockError(
+                self._name, "a local_handoff instance cannot hand a holding over: its lease "
+                "is shared by this process's tasks",
+            )  # fmt: skip
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        """The script (and its keys) that moves a holding to a new token, for `adopt()`."""
+        raise NotImplementedError
+
+    def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
+        """Take `holding`'s lease(s) out of the keeper (released, detached or capped)."""
+        if holding.lease is not None:
+            context.keeper.drop(holding.lease)
+
+    async def _release_call(self, context: ClientContext, token: str) -> bool | None:
+        """Run the release script(s) for `token` once (see `_acquire.release`)."""
+        return await _acquire.release(context, self._spec, token, self._ttl_ms)
+
+    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
+        """`_release_call`, completed even if the caller is cancelled meanwhile."""
+        return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
+
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
         side of a read-write lock); none by default."""
         return None
 
     def _take_holding(self) -> Holding:
+        holding = self._find_holding()
+        del self._holdings[holding.task]
+        return holding
+
+    def _find_holding(self) -> Holding:
+        """The current task's holding, else one of a task that has finished."""
         task = _current_task()
-        holding = self._holdings.pop(task, None)
+        holding = self._holdings.get(task)
         if holding is not None:
             return holding
-        for owner in list(self._holdings):
+        for owner, held in self._holdings.items():
             if owner.done():  # e.g. acquired inside asyncio.wait_for's own task
-                return self._holdings.pop(owner)
+                return held
         raise LockNotOwned(self._name, "the current task does not hold it")
 
     def _lost_error(self, holding: Holding) -> LockLost:

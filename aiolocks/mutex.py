@@ -11,13 +11,15 @@ from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
-from ._scripts import load
+from ._scripts import Script, load
+from ._telemetry import Counters
 
-__all__ = ["MutexInfo", "RedisMutex"]
+__all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
 
 _ACQUIRE = load("mutex_acquire")
 _RELEASE = load("mutex_release")
 _RENEW = load("renew_owner")
+_ADOPT = load("adopt_owner", prelude=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,28 @@ class MutexInfo:
     lease_remaining_ms: int | None  # of the current holder
     queue_length: int  # waiters queued (live or not yet purged)
     fence: int  # the last fencing token handed out (0: never acquired)
+
+
+def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _acquire.Spec:
+    """The engine's view of the mutex `name`: its keys, channel and scripts (`counters`: an
+    instance's cumulative counts, when several specs share them)."""
+    keys = KeySpace(prefix, "mutex", name)
+    owner, queue, waiters, fence = (
+        keys.key(part) for part in ("owner", "queue", "waiters", "fence")
+    )
+    return _acquire.Spec(
+        name=name,
+        kind="x",
+        keys=(owner, queue, waiters, fence),
+        heartbeat_keys=(waiters, queue),
+        channel=keys.key("wake"),
+        watch_key=owner,
+        acquire=_ACQUIRE,
+        release=_RELEASE,
+        renew=_RENEW,
+        renew_keys=(owner, fence),
+        counters=Counters() if counters is None else counters,
+    )
 
 
 def _validate_local_handoff(value: object) -> int:
@@ -54,6 +78,7 @@ class RedisMutex(LeasedLock):
     """
 
     _kind = "mutex"
+    _handle_kind = "mutex"
 
     def __init__(
         self,
@@ -67,35 +92,28 @@ class RedisMutex(LeasedLock):
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
         local_handoff: int = 0,
+        max_hold: float | None = None,
     ) -> None:
         """`local_handoff=N` (N > 0) lets this process's tasks pass the lock among
         themselves, without a round trip, up to N times in a row before it goes back to the
         global FIFO queue when other processes wait: much higher throughput under
         contention from one process, for bounded unfairness across processes. Fences stay
-        strictly increasing across all holders. 0 (the default) is strict FIFO."""
+        strictly increasing across all holders. 0 (the default) is strict FIFO.
+
+        `max_hold` (seconds, None by default) caps each holding: at that age its renewal
+        stops and it is reported lost (`LockLost` naming `max_hold`), so a stuck holder
+        cannot keep the lock for ever."""
         self._local_handoff = _validate_local_handoff(local_handoff)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
-            replicas=replicas, replica_timeout=replica_timeout,
+            replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,
         )  # fmt: skip
 
     def _make_spec(self) -> _acquire.Spec:
-        keys = KeySpace(self._prefix, self._kind, self._name)
-        owner, queue, waiters, fence = (
-            keys.key(part) for part in ("owner", "queue", "waiters", "fence")
-        )
-        return _acquire.Spec(
-            name=self._name,
-            kind="x",
-            keys=(owner, queue, waiters, fence),
-            heartbeat_keys=(waiters, queue),
-            channel=keys.key("wake"),
-            watch_key=owner,
-            acquire=_ACQUIRE,
-            release=_RELEASE,
-            renew=_RENEW,
-            renew_keys=(owner, fence),
-        )
+        return mutex_spec(self._prefix, self._name)
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        return _ADOPT, self._spec.renew_keys
 
     async def locked(self) -> bool:
         """True if anyone holds the mutex right now (asks Redis)."""

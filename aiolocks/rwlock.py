@@ -21,6 +21,8 @@ _RELEASE = load("rwlock_release", "rwlock")
 _INSPECT = load("rwlock_inspect")
 _RENEW_READER = load("renew_member")
 _RENEW_WRITER = load("renew_owner")
+_ADOPT_READER = load("adopt_member")
+_ADOPT_WRITER = load("adopt_owner", prelude=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,12 @@ class _Side(LeasedLock):
             renew_keys=(writer, fence) if self._side == "w" else (readers, fences, fence),
         )
 
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        writer, readers, _, _, _, fences = self._spec.keys
+        if self._side == "w":
+            return _ADOPT_WRITER, (writer,)
+        return _ADOPT_READER, (readers, fences)
+
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         other = self._owner._write if self._side == "r" else self._owner._read
         return other._holdings.get(task)
@@ -78,6 +86,7 @@ class ReadLock(_Side):
 
     _side = "r"
     _renew = _RENEW_READER
+    _handle_kind = "rwlock-read"
 
     async def locked(self) -> bool:
         """True when a reader could not enter now because a writer holds it (asks Redis)."""
@@ -91,6 +100,7 @@ class WriteLock(_Side):
 
     _side = "w"
     _renew = _RENEW_WRITER
+    _handle_kind = "rwlock-write"
 
     async def locked(self) -> bool:
         """True when anyone, reader or writer, holds the lock (asks Redis)."""
@@ -122,6 +132,7 @@ class RedisReadWriteLock:
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._client = client
         self.name = name
@@ -132,6 +143,7 @@ class RedisReadWriteLock:
             "on_lost": on_lost,
             "replicas": replicas,
             "replica_timeout": replica_timeout,
+            "max_hold": max_hold,
         }
         self._read = ReadLock(self, **options)  # validates every argument
         self._write = WriteLock(self, **options)

@@ -11,7 +11,7 @@ from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
-from ._scripts import load
+from ._scripts import Script, load
 
 __all__ = ["RedisSemaphore", "SemaphoreInfo"]
 
@@ -20,6 +20,7 @@ _RELEASE = load("semaphore_release", "semaphore")
 _SET_LIMIT = load("semaphore_set_limit", "semaphore")
 _INSPECT = load("semaphore_inspect")
 _RENEW = load("renew_member")
+_ADOPT = load("adopt_member")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class RedisSemaphore(LeasedLock):
     """
 
     _kind = "semaphore"
+    _handle_kind = "semaphore"
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class RedisSemaphore(LeasedLock):
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
     ) -> None:
         self._limit = _validate_limit(limit)
         super().__init__(
@@ -87,6 +90,7 @@ class RedisSemaphore(LeasedLock):
             on_lost=on_lost,
             replicas=replicas,
             replica_timeout=replica_timeout,
+            max_hold=max_hold,
         )
 
     @property
@@ -111,6 +115,10 @@ class RedisSemaphore(LeasedLock):
             args=(self._limit,),
             refused=self._mismatch,
         )
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        holders, _, _, _, fences, _ = self._spec.keys
+        return _ADOPT, (holders, fences)
 
     def _mismatch(self, stored: int) -> LimitMismatch:
         return LimitMismatch(

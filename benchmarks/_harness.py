@@ -307,7 +307,7 @@ async def hard_stopped(run: Coroutine[Any, Any, dict[str, Any]], cap: float) -> 
     """`run`, cancelled and reported as an error if it outlives `cap` + a grace period."""
     try:
         return await asyncio.wait_for(run, cap + HARD_STOP_GRACE)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         return {"error": f"did not finish within {cap + HARD_STOP_GRACE:.1f} s; cancelled"}
 
 

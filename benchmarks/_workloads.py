@@ -402,7 +402,7 @@ async def scale(
     try:
         errors = await asyncio.wait_for(runner, max(1.0, deadline - time.monotonic()))
         result["drain_s"] = round(time.monotonic() - released, 3)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         errors = []
         result["capped"] = f"drain not done within the cap ({len(served)} of {waiters} served)"
     halves = [lock_commands(peer.log.commands_since(marks[i], marks[i + 1])) for i in range(2)]

@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     console = Console(width=None if sys.stdout.isatty() else 200)
 
-    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started_at = datetime.datetime.now(datetime.UTC)
     host = machine()  # before the runs: the load average is the one they started under
     t0 = time.monotonic()
     with bench_server(args.url) as (url, source):

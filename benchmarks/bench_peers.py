@@ -1039,7 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     only = args.only.split(",") if args.only else list(WORKLOADS)
     peers = [BY_KEY[key] for key in args.peers.split(",")] if args.peers else list(PEERS)
     console = Console(width=None if sys.stdout.isatty() else 220)
-    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started_at = datetime.datetime.now(datetime.UTC)
     host = machine()  # before the runs: the load average they started under
     t0 = time.monotonic()
     with bench_server(args.url) as (url, source):

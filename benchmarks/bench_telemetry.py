@@ -254,7 +254,7 @@ def cli() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "telemetry.json")
     parser.add_argument("--quick", action="store_true", help="fewer cycles and rounds")
     options = parser.parse_args()
-    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started_at = datetime.datetime.now(datetime.UTC)
     with bench_server(options.url) as (url, origin):
         report = asyncio.run(main(url, options.quick))
         report["server"] = {"url": redact(url), "origin": origin, **asyncio.run(server_info(url))}

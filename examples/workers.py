@@ -1,6 +1,6 @@
 """A pool of queue consumers: a semaphore caps a rate-limited API, a mutex stops doubles.
 
-    pip install -e '.[server]' && python examples/workers.py [--consumers 8] [--orders 30]
+    pip install -e '.[examples]' && python examples/workers.py [--consumers 8] [--orders 30]
 
 Orders arrive on a queue with at-least-once delivery: some messages come twice. Consumers,
 spread over several Redis clients as if they were separate services, take messages

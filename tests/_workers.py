@@ -44,7 +44,7 @@ class Worker:
 
         try:
             return await asyncio.wait_for(read(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(
                 f"{self.name} printed no {word!r} within {timeout:g}s; stdout={self.lines!r}"
             ) from None
@@ -60,7 +60,7 @@ class Worker:
             self.proc.stdin.close()
         try:
             out, err = await asyncio.wait_for(self.proc.communicate(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             out, err = await self.proc.communicate()
             err += f"\n[killed: still running {timeout:g}s after it should have ended]".encode()

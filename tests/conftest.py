@@ -141,6 +141,18 @@ async def r(server: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
 
 
 @pytest.fixture
+async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyncio.Redis]]:
+    """Two clients of the ``valkey-notify`` server after FLUSHALL; closed afterwards."""
+    made = [redis.asyncio.Redis.from_url(valkey_notify.url) for _ in range(2)]
+    await made[0].flushall()
+    try:
+        yield made
+    finally:
+        for client in made:
+            await close_client(client)
+
+
+@pytest.fixture
 async def fake_r() -> AsyncIterator[redis.asyncio.Redis]:
     """A ``fakeredis.FakeAsyncRedis`` (a ``redis.asyncio.Redis`` subclass) on a fresh FakeServer."""
     client: redis.asyncio.Redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())

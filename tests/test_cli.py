@@ -8,6 +8,8 @@ import json
 import os
 import pty
 import re
+import shlex
+import signal
 import socket
 import sys
 import sysconfig
@@ -464,3 +466,105 @@ async def test_the_installed_script_releases_on_a_real_terminal(
     assert await asyncio.wait_for(waiting, 10) is True  # woken across processes
     with pytest.raises(LockLost):
         await holder.release()
+
+
+# -- python -m aiolocks, a closed pipe, the demo's printed command ---------------------------
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+async def _exec(*argv: str, env: dict[str, str], stdout: Any) -> tuple[int, bytes]:
+    """Run argv with `stdout` as given; return its exit status and what it wrote to stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=stdout,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, err
+
+
+async def test_python_m_aiolocks_is_the_aiolocks_command() -> None:
+    env = _child_env()
+    module = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiolocks", "--help", env=env, stdout=asyncio.subprocess.PIPE
+    )
+    script = await asyncio.create_subprocess_exec(
+        *_installed_script(), "--help", env=env, stdout=asyncio.subprocess.PIPE
+    )
+    (by_module, _), (by_script, _) = await asyncio.wait_for(
+        asyncio.gather(module.communicate(), script.communicate()), 30
+    )
+    assert module.returncode == script.returncode == 0
+    assert by_module.startswith(b"usage: aiolocks ") and by_module == by_script
+
+
+@ONE_SERVER
+async def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(
+    url: str, r: redis.asyncio.Redis
+) -> None:
+    mutexes = [RedisMutex(r, f"job:{i}", ttl=30) for i in range(200)]
+    for mutex in mutexes:
+        assert await mutex.acquire()
+    env = _child_env(REDIS_URL=url)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -1` that has already gone: every write finds no reader
+    try:
+        code, err = await _exec(
+            sys.executable, "-m", "aiolocks", "list", "--json", env=env, stdout=write_end
+        )
+    finally:
+        os.close(write_end)
+    assert (code, err) == (141, b"")  # no traceback, the status a SIGPIPE'd command has
+    # Wired as before when someone reads: every lock listed.
+    code, err = await _exec(
+        sys.executable, "-m", "aiolocks", "list", "--json", env=env, stdout=asyncio.subprocess.PIPE
+    )
+    assert code == 0, err
+    for mutex in mutexes:
+        await mutex.release()
+
+
+@pytest.mark.slow
+async def test_the_demo_prints_an_inspect_command_that_works_as_printed() -> None:
+    env = _child_env()
+    env.pop("REDIS_URL", None)  # the demo's own embedded server
+    demo = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiolocks", "demo", "--workers", "2", "--iterations", "40",
+        "--hold", "0.02", "--no-show-race",
+        env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert demo.stdout is not None
+    try:
+        printed = ""
+        while "from another terminal:" not in printed:
+            line = await asyncio.wait_for(demo.stdout.readline(), 60)
+            assert line, "the demo ended without printing the command"
+            printed = line.decode()
+        argv = shlex.split(printed.split("from another terminal:", 1)[1].strip().rstrip(")"))
+        assert argv[:2] == ["aiolocks", "inspect"] and "--url" in argv
+        url, prefix = argv[argv.index("--url") + 1], argv[argv.index("--prefix") + 1]
+        # Wait (on the embedded server's keyspace events) until the workers use the lock,
+        # then freeze the demo: its server and keys stay (the workers may finish meanwhile).
+        async with redis.asyncio.Redis.from_url(url) as watcher, watcher.pubsub() as events:
+            await events.psubscribe(f"__keyspace@0__:{prefix}:*")
+            message: dict[str, Any] | None = None
+            while message is None or message["type"] != "pmessage":  # psubscribe's reply first
+                message = await asyncio.wait_for(events.get_message(timeout=None), 60)
+        demo.send_signal(signal.SIGSTOP)
+        try:
+            ran = await cli(*argv[1:], "--json")
+        finally:
+            demo.send_signal(signal.SIGCONT)
+        assert ran.code == 0, ran.err
+        assert ran.json()["name"] == "counter"
+        await asyncio.wait_for(demo.wait(), 60)
+        assert demo.returncode == 0
+    finally:
+        if demo.returncode is None:
+            demo.kill()
+            await demo.wait()

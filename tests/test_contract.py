@@ -1,6 +1,7 @@
 """The lock contract every exclusive primitive must keep, run over each of them.
 
-Run over RedisMutex, RedisSemaphore with limit=1 and the write side of RedisReadWriteLock.
+Run over RedisMutex, RedisSemaphore with limit=1, the write side of RedisReadWriteLock and a
+RedisMultiLock over one name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiolocks import (
     LockNotOwned,
     LockReentry,
     LockTimeout,
+    RedisMultiLock,
     RedisMutex,
     RedisReadWriteLock,
     RedisSemaphore,
@@ -29,6 +31,7 @@ FACTORIES: dict[str, LockFactory] = {
     "mutex": lambda client, name, **kw: RedisMutex(client, name, **kw),
     "semaphore1": lambda client, name, **kw: RedisSemaphore(client, name, limit=1, **kw),
     "rw-write": lambda client, name, **kw: RedisReadWriteLock(client, name, **kw).write(),
+    "multi": lambda client, name, **kw: RedisMultiLock(client, [name], **kw),
 }
 
 

@@ -82,6 +82,16 @@ async def test_same_order_is_refused_while_other_orders_go_through(
 
 
 @ONE_SERVER
+async def test_the_busy_answer_does_not_guess_who_holds_the_lock(r: redis.asyncio.Redis) -> None:
+    # The holder is a script, not a request: the message says only what aiolocks knows.
+    app = orders_app(Gate(), request_lock("orders:{order_id}", client=r))
+    async with RedisMutex(r, "orders:13"), http(app) as client:
+        busy = await client.post("/orders/13")
+    assert busy.status_code == 409
+    assert busy.json()["detail"]["message"] == "'orders:13' is held elsewhere; not acquired"
+
+
+@ONE_SERVER
 async def test_a_waiting_request_goes_next_in_order(r: redis.asyncio.Redis, tasks: Tasks) -> None:
     gate = Gate()
     app = orders_app(gate, request_lock("orders:{order_id}", client=r, timeout=None))
@@ -235,6 +245,8 @@ async def test_a_semaphore_lets_limit_requests_in(r: redis.asyncio.Redis, tasks:
             await gate.wait_entered(i)
         third = await client.post("/orders/3")
         assert third.status_code == 409 and third.json()["detail"]["lock"] == "exports"
+        message = third.json()["detail"]["message"]
+        assert message == "'exports' has all 2 of its slots held; not acquired"
         for i in (1, 2):
             gate.opened[i].set()
         assert [(await task).status_code for task in running] == [200, 200]

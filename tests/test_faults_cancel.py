@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import KINDS, Kind, Side, close_client, leftovers, make_sides
-from _servers import ServerProcess
+from _faults import KINDS, Kind, Side, leftovers, make_sides
 
 from aiolocks._context import context_for
 
@@ -54,12 +52,6 @@ async def _use(side: Side, rng: random.Random) -> None:
 
 
 async def _by_timeout(side: Side, rng: random.Random) -> str:
-    if sys.version_info < (3, 11):  # pragma: no cover - no asyncio.timeout
-        try:
-            await asyncio.wait_for(_use(side, rng), _delay(rng))
-        except asyncio.TimeoutError:
-            return "cancelled"
-        return "completed"
     try:
         async with asyncio.timeout(_delay(rng)) as timeout:
             await _use(side, rng)
@@ -126,17 +118,6 @@ METHODS: dict[str, Method] = {
     "task group failure": _by_task_group,
     "task.cancel()": _by_task_cancel,
 }
-
-
-@pytest.fixture
-async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyncio.Redis]]:
-    made = [redis.asyncio.Redis.from_url(valkey_notify.url) for _ in range(2)]
-    await made[0].flushall()
-    try:
-        yield made
-    finally:
-        for client in made:
-            await close_client(client)
 
 
 # Each kind, and the mutex with local hand-off (tasks of one client passing it on).

@@ -118,7 +118,6 @@ async def test_expired_keyspace_notification_arrives(r: redis.asyncio.Redis) -> 
 
     try:
         await pubsub.subscribe("__keyspace@0__:k")
-        # asyncio.wait_for rather than asyncio.timeout: the package supports Python 3.10.
         confirmation = await asyncio.wait_for(next_message(), timeout=5)
         assert confirmation["type"] == "subscribe"
 

@@ -70,7 +70,7 @@ async def connected(url: str, connect_timeout: float) -> AsyncIterator[redis.asy
     try:
         try:
             await asyncio.wait_for(client.ping(), connect_timeout)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             raise Unreachable(
                 f"cannot reach {shown}: no answer within {connect_timeout:g} s (--connect-timeout)"
             ) from None
@@ -82,7 +82,7 @@ async def connected(url: str, connect_timeout: float) -> AsyncIterator[redis.asy
             yield client
         except ServerUnavailable as exc:
             raise _translate(exc.__cause__ or exc, shown) from None
-        except (redis.exceptions.RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, shown) from None
     finally:
         try:

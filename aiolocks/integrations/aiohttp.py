@@ -20,20 +20,14 @@ This module imports aiohttp: install the `aiohttp` extra.
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import redis.asyncio
 from aiohttp import web
 
 from .._clients import AnyRedis, ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # pragma: no cover
-    from typing_extensions import Unpack
 
 __all__ = ["REDIS", "HeldLock", "held_lock", "lock_middleware", "locked"]
 

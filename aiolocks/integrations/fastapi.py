@@ -17,19 +17,13 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Unpack
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
 
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # pragma: no cover
-    from typing_extensions import Unpack
 
 __all__ = ["HeldLock", "request_lock"]
 

@@ -110,7 +110,7 @@ def run(main: Coroutine[Any, Any, int], timeout: float) -> int:
     async def bounded() -> int:
         try:
             return await asyncio.wait_for(main, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             emit("timeout", timeout)
             return EXIT_TIMEOUT
 

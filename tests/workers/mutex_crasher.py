@@ -39,7 +39,7 @@ async def main(argv: list[str]) -> int:
     emit("held", fence, time.monotonic())
     try:
         line = await asyncio.wait_for(stdin.readline(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         line = b""
     if line.strip() != b"crash":
         emit("no-crash-order")

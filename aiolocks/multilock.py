@@ -1,0 +1,280 @@
+"""`RedisMultiLock`: all of several mutex names, or none, for one task at a time.
+
+On a single server a first script takes every name at once when all are free with nobody
+queued. Otherwise (and always on Cluster) it is built on the engine as it is: each name is
+acquired as a `RedisMutex` would acquire it (same keys, same scripts, same FIFO queue), one
+name after the other in one global order (the names sorted by their UTF-8 bytes), so that
+multi-locks over overlapping sets, given in any order, cannot deadlock. Each name taken gets
+its own lease in the keeper at once; the caller is told of success only when every name is
+held, and a failure, timeout or cancellation gives back every name taken so far (shielded,
+bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+import time
+from collections.abc import Iterable
+from typing import Any, final
+
+from redis.asyncio.cluster import RedisCluster
+
+from . import _acquire
+from ._clients import AnyRedis
+from ._context import ClientContext
+from ._errors import LockLost, map_redis_errors
+from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._keys import DEFAULT_PREFIX, validate_name
+from ._leases import Lease
+from ._scripts import load
+from ._telemetry import Counters
+from .mutex import MutexInfo, RedisMutex, mutex_spec
+
+__all__ = ["RedisMultiLock"]
+
+_TRY_ALL = load("multi_try")
+
+
+class _Taken:
+    """The names one acquisition holds so far: their fences and leases."""
+
+    __slots__ = ("fences", "holding", "leases", "lost_reason")
+
+    def __init__(self) -> None:
+        self.fences: dict[str, int] = {}
+        self.leases: list[Lease] = []
+        self.holding: Holding | None = None  # once every name is held
+        self.lost_reason: str | None = None  # a name lost before that
+
+
+def _validate_names(names: object) -> tuple[str, ...]:
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be a list of names, not {type(names).__name__}")
+    given = tuple(validate_name(name) for name in names)
+    if not given:
+        raise ValueError("names must not be empty")
+    if len(set(given)) != len(given):
+        twice = sorted({name for name in given if given.count(name) > 1})
+        raise ValueError(f"names must be distinct; given more than once: {twice}")
+    return given
+
+
+def _all_held(results: Iterable[bool | None]) -> bool | None:
+    """One release answer for several names: False if any was not held, None if unsure."""
+    answers = list(results)
+    if False in answers:
+        return False
+    return None if None in answers else True
+
+
+@final
+class RedisMultiLock(LeasedLock):
+    """All of several names at once, or none: the same names and keys as `RedisMutex`.
+
+    - Excludes, and is excluded by, a `RedisMutex` on any of its names, and any other
+      multi-lock over an overlapping set.
+    - All or none: `acquire()` returns True only when every name is held; a timeout, a
+      refusal (`blocking=False`) or a cancellation gives back every name taken so far.
+    - No deadlock among multi-locks whatever order their names are given in: every
+      multi-lock takes its names in one global order (sorted); on each name it waits in that
+      name's FIFO queue, so a stream of single-name holders cannot starve it.
+    - One lease per name, renewed together; losing any of them cancels the body with
+      `LockLost` naming that name. `fencing_tokens` gives each name's fence.
+    - Shared by many tasks and not reentrant, like `RedisMutex`. Free names are taken in
+      one atomic script on a single server; otherwise (and on Cluster) name by name, and
+      while it waits for a later name it holds the earlier ones (see the docs page).
+    """
+
+    _kind = "mutex"  # its keys are the mutexes'
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        names: Iterable[str],
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        self._given = _validate_names(names)
+        self._names = tuple(sorted(self._given, key=str.encode))
+        self._taken: dict[str, _Taken] = {}  # by token: acquisitions and holdings
+        super().__init__(
+            client, self._names[0], ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
+            max_hold=max_hold,
+        )  # fmt: skip
+        self._name = ", ".join(self._given)  # for messages
+
+    def _make_spec(self) -> _acquire.Spec:
+        counters = Counters()  # one instance: one set of counts, whichever name they touch
+        self._specs = tuple(mutex_spec(self._prefix, name, counters) for name in self._names)
+        return self._specs[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names, in the order given."""
+        return self._given
+
+    @property
+    def fencing_tokens(self) -> dict[str, int] | None:
+        """Each name's fencing token for the current task's holding (None if it holds
+        nothing), in the order the names were given. `fencing_token` is the first one's in
+        sorted order."""
+        holding = self._current()
+        taken = None if holding is None else self._taken.get(holding.token)
+        if taken is None:
+            return None
+        return {name: taken.fences[name] for name in self._given}
+
+    # -- the engine hooks ----------------------------------------------------------------
+
+    async def _acquire_grant(
+        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+    ) -> _acquire.Grant | None:
+        """Take every name, all or none: at once when all are free (single server), else
+        one by one in sorted order, each as a mutex."""
+        token = secrets.token_hex(16)
+        taken = _Taken()
+        grants: list[_acquire.Grant] = []
+        try:
+            if not isinstance(self._client, RedisCluster):
+                tried = await self._take_all(context, token, taken, deadline)
+                if tried is None:
+                    return None  # the deadline passed during the try (nothing is left)
+                grants = tried
+            if not grants:
+                for spec in self._specs:
+                    with map_redis_errors(spec.name):
+                        grant = await _acquire.acquire(
+                            context, spec, token, self._ttl_ms,
+                            blocking=blocking, deadline=deadline,
+                        )  # fmt: skip
+                    if grant is None:
+                        break
+                    self._took(context, taken, spec, grant)
+                    grants.append(grant)
+        except BaseException:
+            await self._give_back(context, token, taken)
+            raise
+        if len(grants) == len(self._specs) and taken.lost_reason is None:
+            due = min(lease.next_due for lease in taken.leases)
+            for lease in taken.leases:
+                lease.next_due = due  # renewed together from now on: one batch
+                context.keeper.hold(lease)  # (held already: the keeper takes the new due)
+            self._taken[token] = taken
+            return _acquire.Grant(token, grants[0].fence, grants[0].granted_at)
+        await self._give_back(context, token, taken)
+        if taken.lost_reason is not None:
+            raise LockLost(
+                self._name, f"lease lost while taking the other names: {taken.lost_reason}",
+                token=token,
+            )  # fmt: skip
+        return None
+
+    async def _take_all(
+        self, context: ClientContext, token: str, taken: _Taken, deadline: float | None
+    ) -> list[_acquire.Grant] | None:
+        """One script that takes every name if all are free with nobody queued (then the
+        grants, in sorted order), else changes nothing (then []); None when `deadline`
+        passed first."""
+        keys = tuple(key for spec in self._specs for key in spec.keys)
+        sent_at = time.monotonic()
+
+        async def call() -> Any:
+            with map_redis_errors(self._name):
+                return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
+
+        try:
+            if deadline is None:
+                reply = await call()
+            else:
+                reply = await asyncio.wait_for(call(), max(0.0, deadline - sent_at))
+        except BaseException as exc:
+            # The script may have run: give back whatever the token may hold.
+            await _acquire.shielded(
+                lambda: self._release_all(context, self._specs, token), _acquire.CLEANUP_BOUND
+            )
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                return None
+            raise
+        if int(reply[0]) != 1:
+            return []
+        grants = [_acquire.Grant(token, int(fence), sent_at) for fence in reply[1:]]
+        for spec, grant in zip(self._specs, grants, strict=True):
+            self._took(context, taken, spec, grant)
+        return grants
+
+    def _took(
+        self, context: ClientContext, taken: _Taken, spec: _acquire.Spec, grant: _acquire.Grant
+    ) -> None:
+        """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
+        lost = functools.partial(self._name_lost, taken, spec.name)
+        lease = Lease(
+            spec.renew, spec.renew_keys, (grant.token, self._ttl_ms), self._ttl,
+            grant.granted_at, lost,
+        )  # fmt: skip
+        context.keeper.hold(lease)
+        taken.leases.append(lease)
+        taken.fences[spec.name] = grant.fence
+
+    async def _give_back(self, context: ClientContext, token: str, taken: _Taken) -> None:
+        for lease in taken.leases:
+            context.keeper.drop(lease)
+        specs = [spec for spec in self._specs if spec.name in taken.fences]
+        if specs:
+            await _acquire.shielded(
+                lambda: self._release_all(context, specs, token), _acquire.CLEANUP_BOUND
+            )
+
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+        taken = self._taken[grant.token]
+        holding = self._install(task, grant.token, grant.fence, taken.leases[0])
+        taken.holding = holding
+        self._cap(context, holding, grant.granted_at)
+
+    def _name_lost(self, taken: _Taken, name: str, reason: str) -> None:
+        reason = f"{name!r}: {reason}"
+        if taken.holding is None:
+            taken.lost_reason = taken.lost_reason or reason
+        elif not taken.holding.lost.is_set():
+            self._lease_lost(taken.holding, reason)
+
+    def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
+        taken = self._taken.get(holding.token)
+        for lease in () if taken is None else taken.leases:
+            context.keeper.drop(lease)
+
+    async def _release_all(
+        self, context: ClientContext, specs: Iterable[_acquire.Spec], token: str
+    ) -> bool | None:
+        calls = (_acquire.release(context, spec, token, self._ttl_ms) for spec in specs)
+        return _all_held(await asyncio.gather(*calls))
+
+    async def _release_call(self, context: ClientContext, token: str) -> bool | None:
+        self._taken.pop(token, None)
+        return await self._release_all(context, self._specs, token)
+
+    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
+        self._taken.pop(token, None)
+        return await _acquire.completed(self._release_all(context, self._specs, token))
+
+    # -- what the server says ------------------------------------------------------------
+
+    async def locked(self) -> bool:
+        """True if anyone holds any of the names right now (asks Redis)."""
+        with map_redis_errors(self._name):
+            pipe = self._client.pipeline(transaction=False)
+            for spec in self._specs:
+                pipe.exists(spec.keys[0])
+            return any(await pipe.execute())
+
+    async def inspect(self) -> dict[str, MutexInfo]:
+        """Each name's `MutexInfo` (holder, lease left, queue length, last fence)."""
+        return {
+            name: await RedisMutex(self._client, name, prefix=self._prefix).inspect()
+            for name in self._given
+        }

@@ -1,0 +1,81 @@
+"""One client, one event loop: aiolocks refuses, with a clear error and before any Redis
+call, a client whose connections belong to another event loop; a client closed before its
+loop ended may be used again by the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+from _web import ONE_SERVER
+
+from aiolocks import RedisMutex
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Two asyncio.run() calls on one client, as a script would make them.
+_TWO_RUNS = """
+import asyncio, sys
+import redis.asyncio as redis
+from aiolocks import RedisMutex
+
+r = redis.Redis.from_url(sys.argv[1])
+
+async def take(close):
+    async with RedisMutex(r, "job") as mutex:
+        fence = mutex.fencing_token
+        await r.incr("runs")  # the app's own command: a pooled connection on this loop
+    if close:
+        await r.aclose()
+    return fence
+
+print(asyncio.run(take(close=True)))  # closed before its loop ended: fine to use again
+print(asyncio.run(take(close=False)))  # left open: its connections belong to a dead loop
+try:
+    asyncio.run(take(close=True))
+except RuntimeError as error:
+    print("refused:", error)
+"""
+
+
+@ONE_SERVER
+async def test_a_client_in_use_on_a_running_loop_is_refused_on_another(
+    r: redis.asyncio.Redis,
+) -> None:
+    mutex = RedisMutex(r, "job")
+    assert await mutex.acquire()
+
+    async def from_another_loop() -> bool:
+        return await RedisMutex(r, "job").acquire(blocking=False)
+
+    with pytest.raises(RuntimeError, match=r"in use on another event loop.*one client per"):
+        await asyncio.to_thread(asyncio.run, from_another_loop())
+    info = await mutex.inspect()  # nothing was sent: still ours, nobody queued
+    assert (info.fence, info.queue_length) == (1, 0)
+    await mutex.release()
+
+
+@ONE_SERVER
+async def test_a_client_left_open_by_an_ended_loop_is_refused_one_closed_is_not(
+    url: str, r: redis.asyncio.Redis
+) -> None:
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _TWO_RUNS, url],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first, second, refused = done.stdout.splitlines()
+    assert (first, second) == ("1", "2")
+    assert refused.startswith("refused: this Redis client was used on an event loop that has ended")
+    assert "`await client.aclose()` before the loop ends" in refused
+    info = await RedisMutex(r, "job").inspect()  # the refused run sent nothing
+    assert (info.fence, info.owner) == (2, None)
+    assert await r.get("runs") == b"2"
