@@ -19,7 +19,7 @@ __all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
 _ACQUIRE = load("mutex_acquire")
 _RELEASE = load("mutex_release")
 _RENEW = load("renew_owner")
-_ADOPT = load("adopt_owner", prelude=False)
+_ADOPT = load("adopt_owner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class MutexInfo:
     owner: str | None  # token of the current holder
     lease_remaining_ms: int | None  # of the current holder
     queue_length: int  # waiters queued (live or not yet purged)
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _acquire.Spec:

@@ -22,7 +22,7 @@ _INSPECT = load("rwlock_inspect")
 _RENEW_READER = load("renew_member")
 _RENEW_WRITER = load("renew_owner")
 _ADOPT_READER = load("adopt_member")
-_ADOPT_WRITER = load("adopt_owner", prelude=False)
+_ADOPT_WRITER = load("adopt_owner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class RWLockInfo:
     writer: str | None  # token of the writer holding it
     readers: int  # live readers
     queue_length: int  # waiters queued, readers and writers
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 class _Side(LeasedLock):
@@ -65,10 +65,10 @@ class _Side(LeasedLock):
         )
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
-        writer, readers, _, _, _, fences = self._spec.keys
+        # The lease's keys (see _make_spec): the adopt scripts keep them as renewals do.
         if self._side == "w":
-            return _ADOPT_WRITER, (writer,)
-        return _ADOPT_READER, (readers, fences)
+            return _ADOPT_WRITER, self._spec.renew_keys
+        return _ADOPT_READER, self._spec.renew_keys
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         other = self._owner._write if self._side == "r" else self._owner._read

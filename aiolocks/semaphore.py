@@ -28,10 +28,10 @@ class SemaphoreInfo:
     """What the server says about a semaphore (from `RedisSemaphore.inspect()`)."""
 
     name: str
-    limit: int | None  # the stored limit (None: never used)
+    limit: int | None  # the stored limit (None: never used, or idle: expired)
     holders: int  # live holders
     queue_length: int  # waiters queued (live or not yet purged)
-    fence: int  # the last fencing token handed out (0: never acquired)
+    fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
 # The largest limit: stored and compared exactly by the Lua scripts (numbers are doubles,
@@ -117,8 +117,7 @@ class RedisSemaphore(LeasedLock):
         )
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
-        holders, _, _, _, fences, _ = self._spec.keys
-        return _ADOPT, (holders, fences)
+        return _ADOPT, self._spec.renew_keys  # holders, fences, then the keys kept with them
 
     def _mismatch(self, stored: int) -> LimitMismatch:
         return LimitMismatch(
@@ -161,7 +160,8 @@ class RedisSemaphore(LeasedLock):
 
         Lowering it takes no permit away: holders keep theirs until they release. Waiters
         already queued keep waiting under the new limit; new acquisitions through instances
-        still configured with the old limit get `LimitMismatch`.
+        still configured with the old limit get `LimitMismatch`. Like the rest of the
+        name's keys, the stored limit expires once nobody has held or waited for ttl + 1 s.
         """
         limit = _validate_limit(limit)
         context = context_for(self._client)

@@ -10,6 +10,7 @@ own PTTL), then looks with one SCAN.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -189,9 +190,9 @@ async def test_fences_keep_rising_after_the_keys_expired(r: redis.asyncio.Redis)
     one after; a fence is the server clock in microseconds (bumped when needed)."""
     ttl = 0.2
     kinds: dict[str, Callable[[], LeasedLock]] = {
-        kind: (lambda k=kind: side(k, r, f"f:{k}", ttl=ttl)) for kind in KINDS
+        kind: functools.partial(side, kind, r, f"f:{kind}", ttl=ttl) for kind in KINDS
     }
-    kinds["cohort"] = lambda: RedisMutex(r, "f:cohort", ttl=ttl, local_handoff=8)
+    kinds["cohort"] = functools.partial(RedisMutex, r, "f:cohort", ttl=ttl, local_handoff=8)
 
     async def fences_of(make: Callable[[], LeasedLock]) -> list[int]:
         lock, fences = make(), []
@@ -231,7 +232,7 @@ async def test_a_cohort_ahead_of_the_clock_keeps_its_fence_key_longer(
     fence_key = mutex._spec.keys[3]
     for _ in range(100):  # uncontended: each acquisition is a grant from Redis
         await released(mutex)
-    last = int(await r.get(fence_key))
+    last = int(await r.get(fence_key) or 0)
     seconds, micros = await r.time()
     ahead_ms = (last - (int(seconds) * 1_000_000 + int(micros))) / 1000
     assert ahead_ms > 200, ahead_ms  # 100 blocks of 10 ms, in well under a second
@@ -312,3 +313,23 @@ async def test_fences_rise_across_a_restart_with_persistence(
 
 def _kind(name: str) -> str:
     return "rwlock" if name in ("read", "write") else name
+
+
+async def test_an_adopted_holding_keeps_its_keys_as_long_as_its_new_lease(
+    r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis]
+) -> None:
+    """`adopt()` with a longer ttl keeps every key of the lease (fence counter, fences,
+    limit) as long as the adopter's lease, as a renewal does: the expiries set by the short
+    first grant would otherwise end before it."""
+    other = clients()
+    for kind in KINDS:
+        first = side(kind, r, f"a:{kind}", ttl=0.3)
+        second = side(kind, other, f"a:{kind}", ttl=5)
+        assert await first.acquire()
+        await second.adopt(first.detach())
+        left = await lock_keys(r)
+        kept = {key: ms for key, ms in left.items() if not key.endswith((":owner", ":writer"))}
+        assert kept and all(5_000 < ms <= 6_000 for ms in kept.values()), (kind, left)
+        await second.release()
+        assert all(0 < pttl <= 6_000 for pttl in (await lock_keys(r)).values())
+        await r.flushall()

@@ -1,7 +1,7 @@
 -- Shared by the read-write lock scripts. Keys: writer STRING (token, lease as PX),
 -- readers ZSET (token -> lease deadline), queue, waiters, fence, fences HASH (reader -> fence).
 -- Queue members are of kind 'r' or 'w'. The writer's fence is the counter itself: no
--- reader is granted (no INCR) while a writer holds.
+-- reader is granted (no fence taken) while a writer holds.
 
 local function rw_keys()
   return {writer = KEYS[1], readers = KEYS[2], queue = KEYS[3], waiters = KEYS[4],

@@ -21,7 +21,7 @@ local reply = {1}
 for i = 1, #KEYS, 4 do
   if redis.call('GET', KEYS[i]) == token then
     renew_owner_lease({KEYS[i], KEYS[i + 3]}, token, ttl)
-    reply[#reply + 1] = (tonumber(redis.call('GET', KEYS[i + 3])) or 0) - fence_block(token) + 1
+    reply[#reply + 1] = tonumber(redis.call('GET', KEYS[i + 3])) or 0
   else
     redis.call('SET', KEYS[i], token, 'PX', ttl)
     reply[#reply + 1] = grant_fence(KEYS[i + 3], token, ttl)

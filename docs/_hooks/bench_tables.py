@@ -429,7 +429,31 @@ def _scale_calls(data: dict[str, Any]) -> str:
     return "\n\n".join([_machine(data), _table(header, rows)])
 
 
+def _expiry(data: dict[str, Any]) -> str:
+    runs = {
+        "Redis 7.0, before (fences and limits never expired)": "redis_before",
+        "Redis 7.0, after": "redis_after",
+        "Valkey, after": "valkey_after",
+    }
+    rows = [
+        (
+            label,
+            row["kind"],
+            _num(row["names"]),
+            _num(row["after_release"]["keys"]),
+            _num(row["after_release"]["memory_bytes"] / 1e6, 2),
+            _num(row["after_idle_window"]["keys"]),
+            _num(row["after_idle_window"]["memory_bytes"] / 1e6, 2),
+        )
+        for label, key in runs.items()
+        for row in data.get(key, [])
+    ]
+    header = ("run", "kind", "names", "keys after", "MB after", "keys idle", "MB idle")
+    return _table(header, rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "expiry": _expiry,
     "scale": _scale,
     "scale_before": _scale,
     "scale_calls": _scale_calls,
