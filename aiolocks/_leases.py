@@ -48,8 +48,8 @@ _OP = {name: index for index, name in enumerate(_OPERATIONS, start=1)}
 RENEW_BATCH = load_batch("renew_batch", _OPERATIONS)
 # Leases (or heartbeated waiters) per script call, measured by `bench_scale.py --calls`:
 # client CPU per lease falls from ~40 µs at 10 per call to ~7 µs at 250 (~5 µs at 500),
-# while one call holds the server for ~6 µs per lease (~1.5 ms at 250): near the floor on
-# the client, and never long on the server.
+# while one call holds the server for ~9 µs per lease (~2.3 ms at 250, at load average
+# 4-5 on 2 CPUs): near the floor on the client, and never long on the server.
 BATCH = 250
 # Script calls in one pipeline at most; a round with more due waits for the next turn of
 # the event loop, so a burst of renewals never holds the loop (and acquisitions) long.
