@@ -62,6 +62,8 @@ _COALESCE = 0.1
 # between this host and the server, as in the Redlock analysis.
 _DRIFT = 0.01
 _RETRY_MIN = 0.01
+# A renewal call is sent again beside itself after a third of its shortest ttl, at least this.
+_PATIENCE_MIN = 1.0
 # An idle keeper task ends after this long with nothing to renew.
 _IDLE_EXIT = 1.0
 
@@ -201,6 +203,7 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._sleeper: asyncio.Future[None] | None = None
         self._wake_at = float("inf")
+        self._loaded = False  # the batch script was sent ahead of the first renewal
 
     # -- registration ------------------------------------------------------------------
 
@@ -265,6 +268,14 @@ class LeaseKeeper:
     # -- the task ----------------------------------------------------------------------
 
     async def _run(self) -> None:
+        if not self._loaded:
+            # Have the server compile the batch script now, on the engine's connection, so
+            # the first renewal (ttl/3 from now) pays no NOSCRIPT round trip on its way.
+            self._loaded = True
+            warm = asyncio.ensure_future(self._context.run(RENEW_BATCH, (), (b"",)))
+            warm.add_done_callback(_read_outcome)
+            self._batches.add(warm)
+            warm.add_done_callback(self._settled)
         idle_since: float | None = None
         while True:
             now = time.monotonic()
@@ -361,16 +372,21 @@ class LeaseKeeper:
 
     async def _renew(self, leases: list[Lease], groups: list[_HeartbeatGroup], now: float) -> None:
         calls = self._calls(leases) + self._heartbeats(groups)
-        # The batch fails when the first of its leases stops being known valid; a call not
-        # answered within a third of its shortest lease gets a fresh copy sent beside it.
+        # The batch fails when the first of its leases stops being known valid (a waiter's
+        # queue entry, heartbeated a period ago, lives two periods more); a call not
+        # answered within a third of its shortest lease (at least 1 s) gets a fresh copy
+        # sent beside it.
         deadline = now + min(
-            [lease.valid_until - now for lease in leases] + [group.period for group in groups]
+            [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
         )
         deadline = max(deadline, time.monotonic() + _RETRY_MIN)  # (this task starts late)
         patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
+        # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
+        # beside a call that is merely slow did more harm than good.
+        patience = max(patience, _PATIENCE_MIN)
         try:
             replies, sent_at = await self._attempt(
-                [call.staged() for call in calls], deadline, max(patience, _RETRY_MIN)
+                [call.staged() for call in calls], deadline, patience
             )
         except asyncio.CancelledError:
             raise
