@@ -164,6 +164,7 @@ class RedisMultiLock(LeasedLock):
             due = min(lease.next_due for lease in taken.leases)
             for lease in taken.leases:
                 lease.next_due = due  # renewed together from now on: one batch
+                context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
             return _acquire.Grant(token, grants[0].fence, grants[0].granted_at)
         await self._give_back(context, token, taken)
