@@ -5,6 +5,7 @@ with loss reported to the holder, a fencing token for every acquisition, and cle
 on cancellation at every await.
 """
 
+from ._errors import AccessDenied as AccessDenied
 from ._errors import LimitMismatch as LimitMismatch
 from ._errors import LockError as LockError
 from ._errors import LockLost as LockLost
@@ -32,6 +33,7 @@ from .semaphore import RedisSemaphore as RedisSemaphore
 from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
+    "AccessDenied",
     "ElectionInfo",
     "LeaderInfo",
     "LimitMismatch",

@@ -23,6 +23,7 @@ them. Script conventions (see `_scripts/*.lua`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,17 +34,37 @@ import redis.exceptions
 
 from . import _telemetry
 from ._context import ClientContext
-from ._leases import cancelling
+from ._leases import cancelling, validity
 from ._scripts import Script
 from ._waitqueue import Waiter, Wake
 
-__all__ = ["Grant", "Spec", "acquire", "completed", "release", "release_surely", "shielded"]
+__all__ = [
+    "Grant",
+    "Miss",
+    "Spec",
+    "acquire",
+    "completed",
+    "release",
+    "release_surely",
+    "shielded",
+    "withdraw",
+]
 
 T = TypeVar("T")
 
-# Clean-up after a failed or cancelled acquisition waits at most this long for Redis;
-# past it, the server forgets the token by itself when its ttl ends.
+# Clean-up after a failed or cancelled acquisition (and a release interrupted by a
+# cancellation) is awaited at most this long; it goes on in the background after that,
+# for at most max(CLEANUP_BOUND, ttl): past the ttl the server forgets the token by itself.
 CLEANUP_BOUND = 5.0
+# How far past the caller's deadline its clean-up is awaited before it goes on in the
+# background (`acquire(timeout=t)` returns within t + this + scheduling).
+GRACE = 0.05
+# One try (blocking=False) waits for the server at most the client's socket_timeout, or
+# this long when it has none; past it the call raises ServerUnavailable.
+TRY_BOUND = 2.0
+# A grant whose lease, counted from a moment known to precede it, has less than this part
+# of its ttl left is confirmed with the server before it is reported (see _Late).
+_CONFIRM_BELOW, _MAX_CONFIRMS = 0.5, 3
 # Back-off between re-checks of a queued waiter while Redis cannot be reached.
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 # What a server that restarts or fails over answers for a while: a queued waiter waits on.
@@ -54,6 +75,9 @@ _PASSING_OUTAGE = (
     redis.exceptions.TryAgainError,  # a slot in the middle of a move
     redis.exceptions.ReadOnlyError,  # a demoted primary, before the client finds the new one
 )
+
+# A call cut off by these may or may not have run on the server.
+_LOST_REPLY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 log = logging.getLogger("aiolocks")
 
@@ -75,6 +99,8 @@ class Spec:
     renew: Script
     renew_keys: tuple[bytes, ...]
     args: tuple[Any, ...] = ()
+    # Several holders at once (a semaphore, a read-write lock): a grant ends no lease.
+    shared: bool = False
     # Builds the error for a REFUSED reply (given the stored value); primitives that store
     # configuration set it.
     refused: Callable[[int], Exception] | None = None
@@ -91,6 +117,28 @@ class Grant:
     granted_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """Why an acquisition ended without the primitive: what the caller's error tells."""
+
+    unanswered: bool  # the server had not answered the call in flight when time ran out
+    wait_ms: int = -1  # the last answer: until the first lease in the way ends (-1 unknown)
+    failure: str | None = None  # the last re-check's connection error, if it failed
+
+    def situation(self) -> str:
+        """The situation, in words, for `LockTimeout`'s message."""
+        if self.unanswered:
+            return "Redis did not answer in time (a stalled server or link, not contention)"
+        if self.failure is not None:
+            return f"Redis could not be reached at the last re-check ({self.failure})"
+        if self.wait_ms >= 0:
+            return (
+                "held by another holder (the first lease in the way had "
+                f"{self.wait_ms} ms left at the last check)"
+            )
+        return "held by another holder"
+
+
 async def acquire(
     context: ClientContext,
     spec: Spec,
@@ -99,18 +147,25 @@ async def acquire(
     *,
     blocking: bool,
     deadline: float | None,
-) -> Grant | None:
-    """Acquire `spec` for `token`; None when not blocking and busy, or when `deadline` passed.
+    respec: Callable[[], Spec] | None = None,
+) -> Grant | Miss:
+    """Acquire `spec` for `token`; a `Miss` when not blocking and busy, or when `deadline`
+    passed (blocking or not: a deadline bounds the whole call, Redis round trips included).
 
     Cancellation or an error at any point leaves nothing behind in Redis: a shielded,
     bounded clean-up withdraws the token and, if it had been granted, hands the
-    primitive on.
+    primitive on; past the deadline it goes on in the background. `respec` gives the
+    instance's current spec: a refusal by a stale one (e.g. `set_limit()` meanwhile) is
+    retried with it.
     """
     waiter: Waiter | None = None
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     retained = False
     dirty = False  # the server may hold state for this token
     mode = "try"
+    miss = Miss(unanswered=False)
+    late = _Late(ttl_ms)
+    unreachable = False
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms)
@@ -121,24 +176,32 @@ async def acquire(
         answered = False  # the server has answered this acquisition at least once
         while True:
             sent_at = time.monotonic()
+            if waiter is not None and mode == "wait" and waiter.queued_at == 0.0:
+                waiter.still_queued(sent_at)  # unknown to the server before this call
             dirty = True
             try:
                 reply = await _bounded(
                     context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
                     deadline,
                 )
-            except _PASSING_OUTAGE:
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+                dirty = answered  # refused before it ran: nothing changed by this call
+                raise
+            except _PASSING_OUTAGE as exc:
                 if not answered or waiter is None or cancelling():
                     raise  # the first try: the caller learns Redis is unreachable
                 # Queued already: a server that restarts or fails over must not end the
                 # wait. Re-try after a back-off (or sooner, on a reconnect), until the
                 # caller's own deadline.
                 log.debug("aiolocks: re-check of %r failed; retrying", spec.name, exc_info=True)
+                miss = Miss(unanswered=False, wait_ms=miss.wait_ms, failure=repr(exc))
                 if deadline is not None and time.monotonic() >= deadline:
-                    return None
+                    return miss
                 wake = await waiter.sleep(_earliest(deadline, time.monotonic() + outage))
                 outage = min(outage * 2, _RETRY_MAX)
                 if wake is Wake.GRANTED:
+                    if late.confirm(waiter.granted_at, waiter):
+                        continue
                     assert waiter.fence is not None
                     dirty = False
                     return Grant(token, waiter.fence, waiter.granted_at)
@@ -146,21 +209,33 @@ async def acquire(
             outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
             if len(reply) > 2:
-                wake_granted(context, spec, reply, 2)  # others it let in, maybe local
+                wake_granted(context, spec, reply, 2, sent_at)  # others it let in, maybe local
             if status == GRANTED:
+                if late.confirm(sent_at, waiter):
+                    continue  # answered after a stall: re-run (it re-arms the lease)
                 dirty = False
                 return Grant(token, value, sent_at)
             if status == REFUSED:
+                fresh = None if respec is None else respec()
+                if fresh is not None and fresh.args != spec.args:
+                    spec = fresh  # reconfigured meanwhile (set_limit): go on with the new one
+                    continue
                 dirty = mode == "wait"  # refused now, but an earlier call may have queued it
                 assert spec.refused is not None, "a script refused without a reason"
                 raise spec.refused(value)
-            if waiter is not None and waiter.fence is not None:
-                dirty = False
-                return Grant(token, waiter.fence, waiter.granted_at)
+            miss = Miss(unanswered=False, wait_ms=value)
+            if waiter is not None:
+                if status == QUEUED:
+                    waiter.still_queued(sent_at)
+                if waiter.fence is not None:
+                    if late.confirm(waiter.granted_at, waiter):
+                        continue
+                    dirty = False
+                    return Grant(token, waiter.fence, waiter.granted_at)
             if status == BUSY:
                 dirty = False
                 if not blocking:
-                    return None
+                    return miss
             if waiter is None:
                 waiter = _park(context, spec, token, ttl_ms)
                 await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
@@ -171,13 +246,19 @@ async def acquire(
             waiter.lot.note_lease(value if value >= 0 else ttl_ms)
             wake = await waiter.sleep(deadline)
             if wake is Wake.GRANTED:
+                if late.confirm(waiter.granted_at, waiter):
+                    continue
                 assert waiter.fence is not None
                 dirty = False
                 return Grant(token, waiter.fence, waiter.granted_at)
             if wake is Wake.DEADLINE:
-                return None
+                return miss
     except TimeoutError:
-        return None  # `_bounded` ran out of time while Redis was slow: same as the deadline
+        # `_bounded` ran out of time while Redis was slow: same as the deadline.
+        return Miss(unanswered=True, wait_ms=miss.wait_ms)
+    except (*_LOST_REPLY, redis.exceptions.InvalidResponse, OSError):
+        unreachable = True  # the caller learns it now; the clean-up can only wait for Redis
+        raise
     finally:
         if waiter is not None:
             context.waitqueue.remove(waiter)
@@ -185,7 +266,42 @@ async def acquire(
         if retained:
             context.notifier.release(spec.channel)
         if dirty:
-            await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
+            # Awaited until the caller's deadline (a little past it), or, without one, up to
+            # CLEANUP_BOUND; past that it goes on in the background.
+            until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
+            if unreachable:
+                until = time.monotonic() + GRACE
+            await withdraw(context, spec, token, ttl_ms, until)
+
+
+class _Late:
+    """Decides whether a grant is reported or first confirmed with the server.
+
+    A grant's lease is counted from a moment known to precede it (the sending of a call
+    that found the token not yet granted, or of the granting call). When the news came late
+    (a stalled loop, a slow link) that leaves little or no validity: the acquire script is
+    then re-run, which re-arms the lease if it is still the token's (it is idempotent) or
+    queues it again if the server already ended it. Up to 3 confirmations per acquisition:
+    a server that answers slower than that (round trips near the ttl) gets the grant with
+    what validity is left, and the keeper renews at once, or reports the loss if none is.
+    """
+
+    __slots__ = ("confirms", "ttl")
+
+    def __init__(self, ttl_ms: int) -> None:
+        self.ttl = ttl_ms / 1000.0
+        self.confirms = 0
+
+    def confirm(self, granted_at: float, waiter: Waiter | None) -> bool:
+        remaining = validity(granted_at, self.ttl) - time.monotonic()
+        if remaining >= self.ttl * _CONFIRM_BELOW:
+            return False
+        if self.confirms >= _MAX_CONFIRMS:
+            return False  # a server slower than the ttl: no loop of calls; the keeper judges
+        self.confirms += 1
+        if waiter is not None:
+            waiter.forget_grant()
+        return True
 
 
 async def confirm(
@@ -217,8 +333,9 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
+    sent_at = time.monotonic()
     reply, unsure = await release_reply(context, spec, token, ttl_ms)
-    wake_granted(context, spec, reply, 1)
+    wake_granted(context, spec, reply, 1, sent_at)
     _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
     held = int(reply[0]) == 1
     return None if unsure and not held else held
@@ -233,40 +350,151 @@ async def release_reply(
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
     try:
-        return await context.run(spec.release, spec.keys, args, retry=False), False
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-        return await context.run(spec.release, spec.keys, args, retry=False), True
+        return await granting(context, spec, spec.release, args), False
+    except _LOST_REPLY:
+        return await granting(context, spec, spec.release, args), True
 
 
-def wake_granted(context: ClientContext, spec: Spec, reply: list[Any], start: int) -> None:
+async def granting(
+    context: ClientContext,
+    spec: Spec,
+    script: Script,
+    args: tuple[Any, ...],
+    *,
+    retry: bool = False,
+) -> list[Any]:
+    """Run a script that may grant to waiters of this client (a release, `set_limit`), once,
+    or (`retry`) once more after a connection error.
+
+    Such grants are not published: this client learns them from the reply. If the reply is
+    lost (a dropped connection, a cancellation), every local waiter of the name re-checks
+    at once, so one the script made owner learns it now rather than at its next heartbeat
+    (the acquire script answers "granted" to an owner).
+    """
+    try:
+        reply: list[Any] = await context.run(script, spec.keys, args, retry=False)
+        return reply
+    except BaseException as exc:
+        context.waitqueue.recheck_all(spec.channel)
+        if not retry or not isinstance(exc, _LOST_REPLY):
+            raise
+    return await granting(context, spec, script, args)
+
+
+def wake_granted(
+    context: ClientContext, spec: Spec, reply: list[Any], start: int, sent_at: float
+) -> None:
     """Wake the local waiters among the grants a script reported (token, fence, ttl triples
-    from `reply[start]` on); the others are told by pub/sub."""
+    from `reply[start]` on); the others are told by pub/sub. `sent_at`: when the script call
+    was sent, a moment that precedes its grants."""
     lot = context.waitqueue.lot(spec.channel)
     for at in range(start, len(reply) - 2, 3):
         if lot is not None:
-            lot.note_lease(int(reply[at + 2]))
-        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]))
+            lot.note_lease(int(reply[at + 2]), grant=True)
+        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]), sent_at)
 
 
 async def release_surely(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float | None = None
 ) -> bool | None:
     """`release`, completed even if the caller is cancelled meanwhile.
 
     The fast path awaits the script directly (no extra task). If a cancellation interrupts
-    it, the script is run again shielded: it is idempotent, so a release that did reach the
-    server answers "not held" the second time and changes nothing. Then the cancellation
-    is re-raised.
+    it, the script is run again (it is idempotent: a release that did reach the server
+    answers "not held" the second time and changes nothing), awaited until `until` (or
+    CLEANUP_BOUND) and then left to finish in the background; the cancellation is then
+    re-raised.
     """
     try:
         return await release(context, spec, token, ttl_ms)
     except asyncio.CancelledError:
-        await shielded(lambda: release(context, spec, token, ttl_ms), CLEANUP_BOUND)
+        await withdraw(context, spec, token, ttl_ms, until)
         raise
 
 
+class Unanswered:
+    """The marker `release_until` returns when Redis did not answer in time."""
+
+
+UNANSWERED = Unanswered()
+
+
+async def release_until(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float
+) -> bool | Unanswered | None:
+    """`release_surely`, waited for until the monotonic time `until` at most (a lease's
+    validity): past it the answer is UNANSWERED and the release goes on in the background."""
+    try:
+        return await _bounded(release(context, spec, token, ttl_ms), until)
+    except TimeoutError:
+        await withdraw(context, spec, token, ttl_ms, time.monotonic())
+        return UNANSWERED
+    except asyncio.CancelledError:
+        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE))
+        raise
+
+
+async def withdraw(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float | None,
+    call: Callable[[], Awaitable[Any]] | None = None,
+) -> bool:
+    """Run the release script for `token` in a task of its own that outlives the caller:
+    awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
+    the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
+    otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
+    ttl the server has forgotten the token by itself), and a failure is logged."""
+    bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
+    if call is None:
+        call = functools.partial(release, context, spec, token, ttl_ms)
+    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    if not task.done():
+        await completed(asyncio.wait((task,), timeout=wait))
+    return task.done()
+
+
+async def _withdraw(
+    call: Callable[[], Awaitable[Any]], name: str, token: str, bound: float
+) -> None:
+    """Run `call` (the release of `token`), trying again (with a back-off) while the server
+    cannot be reached, for at most `bound` seconds."""
+    give_up = time.monotonic() + bound
+    delay = _RETRY_MIN
+    while True:
+        try:
+            await asyncio.wait_for(call(), give_up - time.monotonic())
+            return
+        except asyncio.CancelledError:
+            raise  # the loop is shutting down
+        except Exception as exc:
+            outage = isinstance(exc, _PASSING_OUTAGE) and not isinstance(
+                exc, redis.exceptions.AuthenticationError
+            )
+            if not outage or time.monotonic() + delay >= give_up:
+                log.warning(
+                    "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
+                    "forgets the token when its ttl ends",
+                    name,
+                    token,
+                    exc,
+                )
+                return
+        await asyncio.sleep(delay)  # an outage back-off, as a queued waiter's re-check
+        delay = min(delay * 2, _RETRY_MAX)
+
+
+# Clean-ups left to finish in the background (a reference, so they are not collected).
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
 def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
-    waiter = context.waitqueue.park(spec.channel, token, ttl_ms, spec.kind)
+    waiter = context.waitqueue.park(spec.channel, token, ttl_ms, spec.kind, spec.shared)
     context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter
 

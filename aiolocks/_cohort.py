@@ -231,7 +231,7 @@ class Cohort:
             raise
         status = int(reply[0])
         if status != 2:
-            _acquire.wake_granted(context, spec, reply, 1)
+            _acquire.wake_granted(context, spec, reply, 1, sent_at)
             _telemetry.on_handoff(releaser, (len(reply) - 1) // 3)
             self._let_go()
             self._promote()

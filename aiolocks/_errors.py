@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import redis.exceptions
 
 __all__ = [
+    "AccessDenied",
     "LockError",
     "LockLost",
     "LockNotOwned",
@@ -37,9 +38,10 @@ class LockError(Exception):
 class LockTimeout(LockError, TimeoutError):
     """The primitive could not be acquired before the timeout ran out."""
 
-    def __init__(self, name: str, timeout: float) -> None:
+    def __init__(self, name: str, timeout: float, situation: str | None = None) -> None:
         self.timeout = timeout
-        super().__init__(name, f"not acquired within {timeout:g} s")
+        reason = f"not acquired within {timeout:g} s"
+        super().__init__(name, reason if situation is None else f"{reason}: {situation}")
 
 
 class LockNotOwned(LockError):
@@ -64,14 +66,40 @@ class NotReplicated(LockError):
 
 
 class ServerUnavailable(LockError):
-    """Redis could not be reached (or answered with an error) while serving the call."""
+    """Redis could not be reached, did not answer in time, or answered with an error while
+    serving the call: a passing condition, worth retrying."""
+
+
+class AccessDenied(LockError):
+    """Redis refused the client's credentials or permissions (no password, a wrong
+    password, an ACL `NOPERM`): a configuration error, not worth retrying as it is."""
+
+
+def _access_cause(exc: redis.exceptions.RedisError) -> str:
+    text = str(exc)
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"the user lacks an ACL permission (NOPERM {text})"
+    lowered = text.lower()
+    if getattr(exc, "status_code", None) == "NOAUTH" or "authentication required" in lowered:
+        return "the server requires a password and none was given (NOAUTH)"
+    if "no password is set" in lowered:
+        return "a password was given but the server has none set"
+    return f"wrong username or password ({text})"
 
 
 @contextmanager
 def map_redis_errors(name: str) -> Iterator[None]:
-    """Translate redis-py's connection and timeout errors into `ServerUnavailable`."""
+    """Translate redis-py's errors: refused credentials or permissions into `AccessDenied`,
+    connection and timeout errors (and a reply that is not Redis protocol) into
+    `ServerUnavailable`."""
     try:
         yield
+    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+        raise AccessDenied(name, f"Redis refused access: {_access_cause(exc)}") from exc
+    except redis.exceptions.InvalidResponse as exc:
+        raise ServerUnavailable(
+            name, f"Redis unreachable: the endpoint did not answer as Redis does ({exc})"
+        ) from exc
     except (
         TimeoutError,
         redis.exceptions.ConnectionError,

@@ -9,6 +9,7 @@ lease-loss reporting and the decorator form.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import math
@@ -33,6 +34,7 @@ from ._errors import (
     LockReentry,
     LockTimeout,
     NotReplicated,
+    ServerUnavailable,
     map_redis_errors,
 )
 from ._handle import LockHandle
@@ -51,6 +53,12 @@ DEFAULT_TTL = 30.0
 DEFAULT_REPLICA_TIMEOUT = 1.0
 
 LostCallback = Callable[[LockLost], object]
+
+# Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
+# (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
+_last_miss: contextvars.ContextVar[_acquire.Miss | None] = contextvars.ContextVar(
+    "aiolocks_last_miss", default=None
+)
 
 
 # The longest lease: its end in server milliseconds must stay exact in Lua's numbers.
@@ -251,11 +259,32 @@ class LeasedLock:
         token = secrets.token_hex(16)
         if bound:
             token = cohort_token(token, bound)
+        try_bound = None
+        if not blocking:  # one try, bounded: the server may stall
+            try_bound = _try_bound(self._client)
+            deadline = time.monotonic() + try_bound
         with map_redis_errors(self._name):
             grant = await _acquire.acquire(
-                context, self._spec, token, self._ttl_ms, blocking=blocking, deadline=deadline
+                context,
+                self._spec,
+                token,
+                self._ttl_ms,
+                blocking=blocking,
+                deadline=deadline,
+                respec=lambda: self._spec,
             )
-        if grant is not None and self._replicas:
+        if isinstance(grant, _acquire.Miss):
+            _last_miss.set(grant)
+            if try_bound is not None and grant.unanswered:
+                raise ServerUnavailable(
+                    self._name,
+                    f"Redis did not answer a try (blocking=False) within {try_bound:g} s "
+                    "(the client's socket_timeout, or "
+                    f"{_acquire.TRY_BOUND:g} s without one)",
+                    token=token,
+                )
+            return None
+        if self._replicas:
             await self._confirm_replicated(context, grant)
         return grant
 
@@ -361,17 +390,32 @@ class LeasedLock:
         if not self._local_handoff:
             self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
-            # Best-effort: the key is gone or someone else's; this only tidies the queue.
-            await _acquire.shielded(
-                lambda: self._release_call(context, holding.token), _acquire.CLEANUP_BOUND
-            )
+            # Best-effort: the key is gone or someone else's; this only tidies the queue, and
+            # never delays the report (a link that stalled may be why the lease was lost).
+            until = time.monotonic() + _acquire.GRACE
+            await _acquire.withdraw(
+                context, self._spec, holding.token, self._ttl_ms, until,
+                call=lambda: self._release_call(context, holding.token),
+            )  # fmt: skip
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 held = await cohort.release(self, holding)
             else:
-                held = await self._release_surely(context, holding.token)
+                # Waited for no longer than the lease is known valid: past that, whether it
+                # was released or lost cannot be told, and the report must not wait.
+                valid_until = None if holding.lease is None else holding.lease.valid_until
+                answer = await self._release_surely(context, holding.token, valid_until)
+                if isinstance(answer, _acquire.Unanswered):
+                    holding.lost_reason = (
+                        "Redis did not answer its release before the lease's validity ended "
+                        "(the release goes on in the background)"
+                    )
+                    _telemetry.on_lease_lost(self._spec, holding.token)
+                    holding.lost.set()
+                    raise self._lost_error(holding)
+                held = answer
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.
@@ -467,9 +511,15 @@ class LeasedLock:
         """Run the release script(s) for `token` once (see `_acquire.release`)."""
         return await _acquire.release(context, self._spec, token, self._ttl_ms)
 
-    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
-        """`_release_call`, completed even if the caller is cancelled meanwhile."""
-        return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
+    async def _release_surely(
+        self, context: ClientContext, token: str, until: float | None = None
+    ) -> bool | _acquire.Unanswered | None:
+        """`_release_call`, completed even if the caller is cancelled meanwhile; waited for
+        until the monotonic time `until` at most (`Unanswered` past it, the release going on
+        in the background)."""
+        if until is None:
+            return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
+        return await _acquire.release_until(context, self._spec, token, self._ttl_ms, until)
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
@@ -556,9 +606,11 @@ class LeasedLock:
     # -- async with and decorator ------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        _last_miss.set(None)
         if not await self.acquire(timeout=self._timeout):
             assert self._timeout is not None
-            raise LockTimeout(self._name, self._timeout)
+            miss = _last_miss.get()
+            raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
         task = _current_task()
         scope = anyio.CancelScope()
         scope.__enter__()
@@ -596,6 +648,17 @@ class LeasedLock:
                 return await func(*args, **kwargs)
 
         return locked_call
+
+
+def _try_bound(client: AnyRedis) -> float:
+    """How long one try (blocking=False) waits for the server: the client's socket_timeout
+    when it has one, else `_acquire.TRY_BOUND`."""
+    pool = getattr(client, "connection_pool", None)
+    options = getattr(pool, "connection_kwargs", None) or getattr(client, "connection_kwargs", {})
+    timeout = options.get("socket_timeout")
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return float(timeout)
+    return _acquire.TRY_BOUND
 
 
 def _current_task() -> asyncio.Task[Any]:

@@ -87,6 +87,24 @@ class _Link:
         self.lock = asyncio.Lock()
         self.saved_retry: tuple[Any, Any] | None = None
         self.owns_client = False  # a per-node client made by the notifier, closed with it
+        # Unsubscriptions sent and not yet confirmed, by channel: the reader reads on until
+        # they are, so no stale confirmation is left in the socket for a later subscriber
+        # of the same name to take for an unsolicited one.
+        self.unsubscribing: dict[bytes, int] = {}
+
+    def expect_unsubscribed(self, name: bytes) -> None:
+        self.unsubscribing[name] = self.unsubscribing.get(name, 0) + 1
+
+    def unsubscribed(self, name: bytes) -> bool:
+        """True when a confirmation for `name` answers an unsubscription of ours."""
+        count = self.unsubscribing.get(name, 0)
+        if count <= 0:
+            return False
+        if count == 1:
+            del self.unsubscribing[name]
+        else:
+            self.unsubscribing[name] = count - 1
+        return True
 
     @property
     def reading(self) -> bool:
@@ -285,9 +303,12 @@ class Notifier:
                 await link.pubsub.subscribe(channel.keyspace)
             self._own_reconnects(link)
             if not link.reading:
-                link.reader = asyncio.get_running_loop().create_task(
-                    self._read(link), name=f"aiolocks-notifier {link.name}".rstrip()
-                )
+                self._start_reader(link)
+
+    def _start_reader(self, link: _Link) -> None:
+        link.reader = asyncio.get_running_loop().create_task(
+            self._read(link), name=f"aiolocks-notifier {link.name}".rstrip()
+        )
 
     async def _unsubscribe(self, channel: _Channel) -> None:
         link = channel.link
@@ -297,12 +318,16 @@ class Notifier:
                 return  # wanted again since it expired: keep the subscription
             if link.pubsub is not None:
                 with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                    link.expect_unsubscribed(channel.wake)
                     if self._sharded:
                         await link.pubsub.sunsubscribe(channel.wake)
                     else:
                         await link.pubsub.unsubscribe(channel.wake)
                     if channel.keyspace is not None:
+                        link.expect_unsubscribed(channel.keyspace)
                         await link.pubsub.unsubscribe(channel.keyspace)
+                if link.unsubscribing and not link.reading:
+                    self._start_reader(link)  # to read the confirmations
 
     def _own_reconnects(self, link: _Link) -> None:
         connection = link.pubsub.connection
@@ -321,7 +346,7 @@ class Notifier:
 
     async def _read(self, link: _Link) -> None:
         delay = _RETRY_MIN
-        while self._routed(link):
+        while self._routed(link) or link.unsubscribing:
             try:
                 message = await link.pubsub.get_message(timeout=None)
                 delay = _RETRY_MIN
@@ -335,6 +360,7 @@ class Notifier:
                 if cancelling():
                     return  # shutting down: a dropped socket raced the cancellation
                 log.debug("aiolocks: pub/sub read on %r failed: %r", link.name, exc)
+                link.unsubscribing.clear()  # a new connection: nothing stale can come
                 if not any(channel.refs > 0 for channel in self._routed(link)):
                     # Nobody waits (e.g. the client was closed): stop; the next waiter
                     # subscribes afresh and starts a new reader.
@@ -374,6 +400,7 @@ class Notifier:
                 channel.linger.cancel()
             self._forget(channel)
         pubsub, link.pubsub = link.pubsub, None
+        link.unsubscribing.clear()
         if link.saved_retry is not None:
             connection, retry = link.saved_retry
             connection.retry = retry
@@ -403,6 +430,8 @@ class Notifier:
             elif name in self._by_keyspace and payload in _GONE:
                 self._waitqueue.recheck_first(self._by_keyspace[name])
                 self._tell(self._by_keyspace[name], Hint.GONE)
+        elif kind in (b"sunsubscribe", b"unsubscribe") and link.unsubscribed(name):
+            return  # the confirmation of one of ours
         elif kind == b"sunsubscribe":
             channel = self._channels.get(name)
             if channel is not None and channel.link is link and channel.confirmed is not None:
@@ -456,7 +485,7 @@ class Notifier:
         token, fence, ttl = parts[0].decode(), int(parts[1]), int(parts[2])
         lot = self._waitqueue.lot(wake)
         if lot is not None:
-            lot.note_lease(ttl)
+            lot.note_lease(ttl, grant=True)
         self._waitqueue.unpark(token, fence)
 
     async def aclose(self) -> None:

@@ -30,7 +30,17 @@ class Wake(enum.Enum):
 class Waiter:
     """One parked acquisition: its token, and what it has been told while parked."""
 
-    __slots__ = ("_future", "_recheck", "fence", "granted_at", "lot", "member", "token", "ttl_ms")
+    __slots__ = (
+        "_future",
+        "_recheck",
+        "fence",
+        "granted_at",
+        "lot",
+        "member",
+        "queued_at",
+        "token",
+        "ttl_ms",
+    )
 
     def __init__(self, lot: Lot, token: str, ttl_ms: int, member: str) -> None:
         self.lot = lot
@@ -38,15 +48,30 @@ class Waiter:
         self.ttl_ms = ttl_ms
         self.member = member  # its queue entry on the server
         self.fence: int | None = None
+        # A moment (monotonic) known to precede any grant it may get: when a call that
+        # found it not granted (its queue call, a heartbeat) was sent. A grant's lease is
+        # counted from here, never from when the news arrived (a stalled loop reads late).
+        self.queued_at = 0.0
         self.granted_at = 0.0
         self._recheck = False
         self._future: asyncio.Future[Wake] | None = None
 
-    def grant(self, fence: int) -> None:
+    def still_queued(self, sent_at: float) -> None:
+        """A call sent at `sent_at` found this waiter not yet granted."""
+        if sent_at > self.queued_at:
+            self.queued_at = sent_at
+
+    def grant(self, fence: int, after: float | None = None) -> None:
+        """Its grant arrived; `after` is a moment known to precede it (the granting call's
+        sending), if any."""
         if self.fence is None:
             self.fence = fence
-            self.granted_at = time.monotonic()
+            self.granted_at = max(self.queued_at, after or 0.0)
         self._wake(Wake.GRANTED)
+
+    def forget_grant(self) -> None:
+        """Drop a grant that is to be confirmed with the server (re-run acquire)."""
+        self.fence = None
 
     def recheck(self) -> None:
         self._recheck = True
@@ -98,13 +123,16 @@ def _resolve(future: asyncio.Future[Wake], reason: Wake) -> None:
 class Lot:
     """The waiters of one channel in this process, in arrival order."""
 
-    __slots__ = ("_waiters", "channel", "lease_end")
+    __slots__ = ("_waiters", "channel", "lease_end", "shared")
 
-    def __init__(self, channel: bytes) -> None:
+    def __init__(self, channel: bytes, shared: bool = False) -> None:
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
-        # When the current holder's lease ends at the latest, as far as we know (monotonic).
+        # When the first lease in the way ends, as far as we know (monotonic).
         self.lease_end: float | None = None
+        # Several holders at once (a semaphore, a read-write lock): a grant adds a lease
+        # and ends none, so it can only bring the first lease end closer.
+        self.shared = shared
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -115,10 +143,13 @@ class Lot:
     def head(self) -> Waiter | None:
         return next(iter(self._waiters.values()), None)
 
-    def note_lease(self, remaining_ms: int) -> None:
-        """Record that the holder's lease has `remaining_ms` left (from a script or a grant)."""
-        remaining = max(remaining_ms, 0) / 1000.0 + 0.002
-        self.lease_end = time.monotonic() + remaining
+    def note_lease(self, remaining_ms: int, *, grant: bool = False) -> None:
+        """Record that the first lease in the way has `remaining_ms` left (an acquire
+        script's answer), or (`grant`) that a lease of `remaining_ms` was just granted."""
+        end = time.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002
+        if grant and self.shared and self.lease_end is not None:
+            end = min(end, self.lease_end)
+        self.lease_end = end
 
 
 class WaitQueue:
@@ -136,10 +167,12 @@ class WaitQueue:
         """The queue entry of an acquisition made through this client (see _prelude.lua)."""
         return f"{token}:{ttl_ms}:{self.tag}:{kind}"
 
-    def park(self, channel: bytes, token: str, ttl_ms: int, kind: str) -> Waiter:
+    def park(
+        self, channel: bytes, token: str, ttl_ms: int, kind: str, shared: bool = False
+    ) -> Waiter:
         lot = self._lots.get(channel)
         if lot is None:
-            lot = self._lots[channel] = Lot(channel)
+            lot = self._lots[channel] = Lot(channel, shared)
         waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind))
         lot._waiters[token] = waiter
         self._by_token[token] = waiter
@@ -158,12 +191,13 @@ class WaitQueue:
             if new_head is not None:
                 new_head._wake(Wake.RECHECK)  # re-arms its sleep with the lot's timer
 
-    def unpark(self, token: str, fence: int) -> bool:
-        """Deliver a grant to the waiter holding `token`; False if it is not ours."""
+    def unpark(self, token: str, fence: int, after: float | None = None) -> bool:
+        """Deliver a grant to the waiter holding `token` (`after`: a moment known to precede
+        the grant); False if it is not ours."""
         waiter = self._by_token.get(token)
         if waiter is None:
             return False
-        waiter.grant(fence)
+        waiter.grant(fence, after)
         return True
 
     def lot(self, channel: bytes) -> Lot | None:

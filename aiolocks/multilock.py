@@ -153,7 +153,7 @@ class RedisMultiLock(LeasedLock):
                             context, spec, token, self._ttl_ms,
                             blocking=blocking, deadline=deadline,
                         )  # fmt: skip
-                    if grant is None:
+                    if isinstance(grant, _acquire.Miss):
                         break
                     self._took(context, taken, spec, grant)
                     grants.append(grant)
@@ -164,6 +164,7 @@ class RedisMultiLock(LeasedLock):
             due = min(lease.next_due for lease in taken.leases)
             for lease in taken.leases:
                 lease.next_due = due  # renewed together from now on: one batch
+                context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
             return _acquire.Grant(token, grants[0].fence, grants[0].granted_at)
         await self._give_back(context, token, taken)
@@ -257,7 +258,10 @@ class RedisMultiLock(LeasedLock):
         self._taken.pop(token, None)
         return await self._release_all(context, self._specs, token)
 
-    async def _release_surely(self, context: ClientContext, token: str) -> bool | None:
+    async def _release_surely(
+        self, context: ClientContext, token: str, until: float | None = None
+    ) -> bool | None:
+        # Not bounded by `until` (the leases' validity) yet: one release call per name.
         self._taken.pop(token, None)
         return await _acquire.completed(self._release_all(context, self._specs, token))
 

@@ -62,6 +62,7 @@ class _Side(LeasedLock):
             release=_RELEASE,
             renew=self._renew,
             renew_keys=(writer, fence) if self._side == "w" else (readers, fences, fence),
+            shared=True,
         )
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any, final
 
@@ -113,6 +114,7 @@ class RedisSemaphore(LeasedLock):
             renew=_RENEW,
             renew_keys=(holders, fences, fence, limit),
             args=(self._limit,),
+            shared=True,
             refused=self._mismatch,
         )
 
@@ -166,8 +168,9 @@ class RedisSemaphore(LeasedLock):
         limit = _validate_limit(limit)
         context = context_for(self._client)
         args = (limit, self._spec.channel, context.waitqueue.tag, self._ttl_ms)
+        sent_at = time.monotonic()
         with map_redis_errors(self._name):
-            reply = await context.run(_SET_LIMIT, self._spec.keys, args)
+            reply = await _acquire.granting(context, self._spec, _SET_LIMIT, args, retry=True)
         self._limit = limit
         self._spec = replace(self._make_spec(), counters=self._spec.counters)
-        _acquire.wake_granted(context, self._spec, reply, 1)
+        _acquire.wake_granted(context, self._spec, reply, 1, sent_at)

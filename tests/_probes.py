@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,42 @@ async def mutex_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:
         text = key.decode() if isinstance(key, bytes) else key
         found[text.rsplit(":", 1)[1]] = await client.type(key)
     return found
+
+
+class Renewals:
+    """A telemetry recorder that only counts: renewal batches settled, leases lost."""
+
+    def __init__(self) -> None:
+        self.count = 0  # leases renewed
+        self.lost = 0
+        self.changed = asyncio.Event()
+
+    def acquire_started(self, lock: object) -> object:
+        return None
+
+    def acquire_ended(self, *args: object) -> None:
+        pass
+
+    def released(self, *args: object) -> None:
+        pass
+
+    def handed_off(self, *args: object) -> None:
+        pass
+
+    def lease_lost(self, *args: object) -> None:
+        self.lost += 1
+        self.changed.set()
+
+    def renewed(self, leases: Sequence[Any], results: Sequence[object]) -> None:
+        self.count += sum(1 for result in results if result == 1)
+        self.changed.set()
+
+    async def until(self, renewed: int, timeout: float) -> None:
+        """Wait (bounded) until `renewed` leases in all have been renewed."""
+
+        async def wait() -> None:
+            while self.count < renewed:
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(wait(), timeout)

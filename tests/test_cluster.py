@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,16 @@ import pytest
 import redis.asyncio
 from _cluster import Cluster, names_on_each_node
 from _lockworker import CLUSTER_SCHEME
-from _probes import QueueProbe
+from _probes import QueueProbe, Renewals
 from _sentinel import SentinelGroup
 from _servers import arun_workers, command_count
 from conftest import SENTINEL_VARIANTS, open_sentinel_group
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
+from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore, _telemetry
 from aiolocks._context import context_for
+from aiolocks._leases import RENEW_BATCH
 
 pytestmark = pytest.mark.slow
 
@@ -337,3 +339,42 @@ async def test_a_command_redis_py_dropped_before_sending_is_sent_again(
         assert client.drops == 0
     finally:
         await client.aclose()
+
+
+async def test_renewals_go_out_one_call_per_slot(
+    cluster_r: RedisCluster, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """30 permits of one semaphore (one slot) and mutexes on 3 names of each node: a renewal
+    round is one script call per slot (10), not one per lease (39), and renews them all."""
+    permits = RedisSemaphore(cluster_r, "pool", limit=30, ttl=30)
+    mutexes = [
+        RedisMutex(cluster_r, name, ttl=30)
+        for names in names_on_each_node(cluster, 3, prefix="renew")
+        for name in names
+    ]
+    acquired = await asyncio.gather(
+        *(permits.acquire() for _ in range(30)), *(mutex.acquire() for mutex in mutexes)
+    )
+    assert all(acquired)
+    context = context_for(cluster_r)
+    leases = [
+        holding.lease
+        for lock in [permits, *mutexes]
+        for holding in lock._holdings.values()
+        if holding.lease is not None
+    ]
+    assert len(leases) == 39
+    slots = {key_slot(lease.keys[0]) for lease in leases}
+    assert len(slots) == 10
+    renewals = Renewals()
+    monkeypatch.setattr(_telemetry, "recorder", renewals)
+    for lease in leases:  # the script is known on every node first: no NOSCRIPT re-sends
+        await context.run(RENEW_BATCH, (lease.keys[0],), (b"",))
+    before = context.commands_sent
+    now = time.monotonic()
+    for lease in leases:
+        lease.next_due = now
+        context.keeper.hold(lease)
+    await renewals.until(len(leases), 10)
+    assert context.commands_sent - before == len(slots)
+    assert not any(lease.lost for lease in leases)

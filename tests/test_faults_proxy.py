@@ -24,6 +24,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 
 from aiolocks import LockLost, ServerUnavailable
 from aiolocks._holding import LeasedLock
+from aiolocks._leases import RENEW_BATCH
 
 pytestmark = pytest.mark.faults
 
@@ -235,7 +236,7 @@ async def _drop_case(
             release, held = asyncio.Event(), asyncio.Event()
             holding = asyncio.create_task(_hold_until(mine, release, held))
             await asyncio.wait_for(held.wait(), 5)
-            drop = proxy.drop_on(_match(spec.renew.sha, None), point)
+            drop = proxy.drop_on(_match(RENEW_BATCH.sha, None), point)  # the keeper's batch
             await asyncio.wait_for(drop.fired.wait(), 5)
             await asyncio.sleep(ttl)  # the lease had ended by now unless renewed after the drop
             if await other.acquire(blocking=False):

@@ -23,6 +23,7 @@ from _servers import ServerKind, ServerProcess, available_kinds, free_port
 
 import aiolocks._holding
 from aiolocks import (
+    AccessDenied,
     RedisMutex,
     RedisReadWriteLock,
     RedisSemaphore,
@@ -149,9 +150,18 @@ async def test_password_auth(server_factory: Callable[..., ServerProcess]) -> No
     wrong = redis.asyncio.Redis.from_url(f"redis://:wrong@127.0.0.1:{server.port}/0")
     try:
         await _exercise(clients, "auth")
-        for stranger in (anonymous, wrong):
-            with pytest.raises(ServerUnavailable):
-                await RedisMutex(stranger, "auth-m").acquire()
+        # A configuration error, not an outage: its own class, naming the cause.
+        causes = {"none was given": anonymous, "wrong username or password": wrong}
+        for cause, stranger in causes.items():
+            for attempt in (
+                RedisMutex(stranger, "auth-m").acquire(),
+                RedisMutex(stranger, "auth-m").acquire(timeout=1),
+                RedisMutex(stranger, "auth-m").acquire(blocking=False),
+            ):
+                with pytest.raises(AccessDenied) as raised:
+                    await attempt
+                assert not isinstance(raised.value, ServerUnavailable)
+                assert cause in str(raised.value), str(raised.value)
     finally:
         for client in (*clients, anonymous, wrong):
             await close_client(client)
@@ -343,3 +353,50 @@ async def test_names_with_lua_meaningful_characters_are_plain_data(
         assert await r.get("canary") == b"alive"
     finally:
         await other.aclose()
+
+
+async def test_a_user_without_permission_gets_access_denied(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """An ACL user that may not run scripts: `AccessDenied` naming NOPERM, not an outage."""
+    server = server_factory(kind="valkey", notify=True)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    await admin.execute_command(  # type: ignore[no-untyped-call]
+        "ACL", "SETUSER", "reader", "on", f">{PASSWORD}", "~*", "-@all", "+ping"
+    )
+    user = redis.asyncio.Redis.from_url(f"redis://reader:{PASSWORD}@127.0.0.1:{server.port}/0")
+    try:
+        with pytest.raises(AccessDenied) as raised:
+            await RedisMutex(user, "noperm").acquire()
+        assert not isinstance(raised.value, ServerUnavailable)
+        assert "NOPERM" in str(raised.value) and "'noperm'" in str(raised.value)
+    finally:
+        await close_client(user)
+        await admin.aclose()
+
+
+async def test_an_endpoint_that_is_not_redis_is_server_unavailable() -> None:
+    """An HTTP server on the port: redis-py's InvalidResponse is wrapped like any other
+    connection failure."""
+
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    web = await asyncio.start_server(http, "127.0.0.1", 0)
+    port = web.sockets[0].getsockname()[1]
+    client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    try:
+        for attempt in (
+            RedisMutex(client, "http").acquire(),
+            RedisMutex(client, "http").acquire(blocking=False),
+        ):
+            with pytest.raises(ServerUnavailable) as raised:
+                await attempt
+            assert "did not answer as Redis does" in str(raised.value), str(raised.value)
+    finally:
+        await close_client(client)
+        web.close()
+        await web.wait_closed()

@@ -7,10 +7,11 @@ into a server happens per client, lazily, when EVALSHA answers NOSCRIPT (see `_c
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 
-__all__ = ["Script", "load"]
+__all__ = ["Script", "load", "load_batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,5 +36,19 @@ def load(name: str, *libraries: str, prelude: bool = True) -> Script:
     primitive's scripts), then the script itself."""
     head = [_PRELUDE] if prelude else []
     parts = [*head, *(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
+    source = "\n".join(parts)
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+def load_batch(name: str, operations: Sequence[str]) -> Script:
+    """Build `name`.lua, which runs many calls of `operations` in one script call: the
+    prelude, then each operation's own script as it stands, wrapped as a function of
+    (KEYS, ARGV) in `OPS[i]` (1-based, in the order given), then `name`.lua, which calls
+    them. One file per operation stays the truth; the batch cannot drift from it."""
+    wrapped = [
+        f"OPS[{index}] = function(KEYS, ARGV)\n{_read(f'{operation}.lua')}\nend"
+        for index, operation in enumerate(operations, start=1)
+    ]
+    parts = [_PRELUDE, "local OPS = {}", *wrapped, _read(f"{name}.lua")]
     source = "\n".join(parts)
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())

@@ -17,7 +17,7 @@ import redis.asyncio
 import redis.exceptions
 
 from .._context import context_for
-from .._errors import ServerUnavailable
+from .._errors import AccessDenied, ServerUnavailable
 from ._errors import Refused, Unreachable, UsageError
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_URL", "connected", "redacted", "server_url"]
@@ -80,7 +80,7 @@ async def connected(url: str, connect_timeout: float) -> AsyncIterator[redis.asy
             raise Unreachable(f"cannot reach {shown}: {_reason(exc)}") from None
         try:
             yield client
-        except ServerUnavailable as exc:
+        except (ServerUnavailable, AccessDenied) as exc:
             raise _translate(exc.__cause__ or exc, shown) from None
         except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
             raise _translate(exc, shown) from None

@@ -19,7 +19,7 @@ from typing import TypedDict
 import anyio
 
 from .._clients import AnyRedis, ensure_async_client
-from .._errors import LockLost, ServerUnavailable
+from .._errors import AccessDenied, LockLost, ServerUnavailable
 from .._holding import DEFAULT_TTL, _validate_ttl, validate_timeout
 from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ..mutex import RedisMutex
@@ -157,7 +157,7 @@ class LockPolicy:
                 acquired = await lock.acquire(blocking=False)
             else:
                 acquired = await lock.acquire(timeout=self.timeout)
-        except ServerUnavailable as exc:
+        except (ServerUnavailable, AccessDenied) as exc:
             raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
         if not acquired:
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
@@ -197,7 +197,7 @@ class LockPolicy:
             )
             refusal = Refusal(self.lost_status, "lock_lost", lock.name, message)
             raise refusal from (raised or lost)
-        except ServerUnavailable as exc:
+        except (ServerUnavailable, AccessDenied) as exc:
             if isinstance(raised, asyncio.CancelledError):
                 return
             raise Refusal(503, "lock_unavailable", lock.name, exc.reason) from exc

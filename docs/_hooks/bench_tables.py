@@ -391,6 +391,44 @@ def _autopipe(data: dict[str, Any]) -> str:
     )
 
 
+_SCALE = (
+    ("acquire_per_s", "acquisitions/s", 0),
+    ("client_cpu_us_per_renewal", "client CPU µs per renewal", 1),
+    ("script_calls_per_100_leases_per_period", "script calls per 100 leases per period", 2),
+    ("round_trips_per_100_leases_per_period", "round trips per 100 leases per period", 3),
+    ("server_bytes_per_lease", "server bytes per lease", 0),
+    ("client_bytes_per_lease", "client bytes per lease", 0),
+    ("lost", "leases lost", 0),
+    ("keys_left_after_idle", "keys left after the idle window", 0),
+)
+
+
+def _scale(data: dict[str, Any]) -> str:
+    """bench_scale.py: one column per N, one row per figure; the load average with each."""
+    rows_by_n = [row for row in data["rows"] if "error" not in row]
+    header = ("figure", *(f"N = {row['n']:,}" for row in rows_by_n))
+    rows = [
+        (label, *(_num(row.get(key), digits) for row in rows_by_n)) for key, label, digits in _SCALE
+    ]
+    load = ("load average (1 min) at start", *(_num(r["loadavg_start"][0], 1) for r in rows_by_n))
+    parts = [_machine(data), f"{data.get('label') or ''}".strip(), _table(header, [*rows, load])]
+    return "\n\n".join(part for part in parts if part)
+
+
+def _scale_calls(data: dict[str, Any]) -> str:
+    header = ("leases per call", "server µs per call", "server µs per lease", "client µs per lease")
+    rows = [
+        (
+            _num(row["leases_per_call"]),
+            _num(row["server_us_per_call"], 1),
+            _num(row["server_us_per_lease"], 2),
+            _num(row["client_cpu_us_per_lease"], 2),
+        )
+        for row in data["rows"]
+    ]
+    return "\n\n".join([_machine(data), _table(header, rows)])
+
+
 def _expiry(data: dict[str, Any]) -> str:
     runs = {
         "Redis 7.0, before (fences and limits never expired)": "redis_before",
@@ -416,6 +454,9 @@ def _expiry(data: dict[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "expiry": _expiry,
+    "scale": _scale,
+    "scale_before": _scale,
+    "scale_calls": _scale_calls,
     "peers": _peers,
     "mutex": _mutex,
     "primitives": _primitives,
