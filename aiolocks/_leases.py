@@ -43,7 +43,7 @@ log = logging.getLogger("aiolocks")
 
 HEARTBEAT = load("heartbeat")
 # The operations one batch call can run, by script name (their index in the batch script).
-_OPERATIONS = ("renew_owner", "renew_member", "heartbeat")
+_OPERATIONS = ("renew_owner", "renew_member", "heartbeat", "election_renew")
 _OP = {name: index for index, name in enumerate(_OPERATIONS, start=1)}
 RENEW_BATCH = load_batch("renew_batch", _OPERATIONS)
 # Leases (or heartbeated waiters) per script call, measured by `bench_scale.py --calls`:

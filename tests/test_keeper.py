@@ -14,7 +14,7 @@ import redis.asyncio
 from _probes import QueueProbe, Renewals
 from _servers import ServerProcess
 
-from aiolocks import RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
+from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
 from aiolocks._context import context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._leases import BATCH, RENEW_BATCH, Lease, pack
@@ -89,26 +89,31 @@ async def test_every_kind_of_lease_renews_in_one_call_and_a_loss_stays_its_own(
 ) -> None:
     rw = RedisReadWriteLock(client, "catalog", ttl=30)
     permits = RedisSemaphore(client, "slots", limit=2, ttl=30)
+    election = RedisElection(client, "scheduler", ttl=30)
     locks: list[LeasedLock] = [
         RedisMutex(client, "orders", ttl=30),
         permits,
         rw.read(),
         RedisReadWriteLock(client, "other", ttl=30).write(),
+        election._probe,  # a leader's lease (campaigning with the value "")
     ]
     await acquire_all(locks)
     await load_batch_script(client)
     context = context_for(client)
     before = context.commands_sent
     renew_now(client, leases_of(locks))
-    await renewals.until(4, 10)
+    await renewals.until(5, 10)
     assert context.commands_sent - before == 1
     # A lease ended on the server is found lost by the next batch; the others stay held.
     assert await expire_leases(permits) == 1
+    assert await expire_leases(election) == 1
     renew_now(client, leases_of(locks))
     await asyncio.wait_for(holding_lost(locks[1]).wait(), 10)
-    await renewals.until(4 + 3, 10)
-    assert [holding_lost(lock).is_set() for lock in locks] == [False, True, False, False]
-    assert renewals.lost == 1
+    await asyncio.wait_for(holding_lost(locks[4]).wait(), 10)
+    await renewals.until(5 + 3, 10)
+    lost = [holding_lost(lock).is_set() for lock in locks]
+    assert lost == [False, True, False, False, True]
+    assert renewals.lost == 2
 
 
 async def test_leases_due_within_the_window_are_renewed_together(

@@ -1,6 +1,6 @@
 -- Run many lease renewals and waiter heartbeats in one call (the lease keeper's batch).
 -- OPS     the operations, each one's own script as a function of (KEYS, ARGV) (see
---         `load_batch`): 1 renew_owner, 2 renew_member, 3 heartbeat
+--         `load_batch`): 1 renew_owner, 2 renew_member, 3 heartbeat, 4 election_renew
 -- KEYS    every entry's keys, entry after entry
 -- ARGV[1] the entries, back to back, each "<op>,<key count>,<arg count>," and then its
 --         args, each "<length>:<bytes>" (one string: far cheaper for the client to send
