@@ -188,8 +188,8 @@ def election_scenarios(
     def pair(path: str) -> tuple[RedisElection, RedisElection, QueueProbe]:
         other = clients()
         name = f"e:election:{path}"
-        made = (RedisElection(client, name, ttl=TTL) for client in (r, other))
-        return (*made, QueueProbe(other))
+        leader, candidate = (RedisElection(client, name, ttl=TTL) for client in (r, other))
+        return leader, candidate, QueueProbe(other)
 
     leader, candidate, probe = pair("handoff")
     handoff = elected_on(leader, candidate, probe)
