@@ -203,7 +203,6 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._sleeper: asyncio.Future[None] | None = None
         self._wake_at = float("inf")
-        self._loaded = False  # the batch script was sent ahead of the first renewal
 
     # -- registration ------------------------------------------------------------------
 
@@ -268,14 +267,6 @@ class LeaseKeeper:
     # -- the task ----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        if not self._loaded:
-            # Have the server compile the batch script now, on the engine's connection, so
-            # the first renewal (ttl/3 from now) pays no NOSCRIPT round trip on its way.
-            self._loaded = True
-            warm = asyncio.ensure_future(self._context.run(RENEW_BATCH, (), (b"",)))
-            warm.add_done_callback(_read_outcome)
-            self._batches.add(warm)
-            warm.add_done_callback(self._settled)
         idle_since: float | None = None
         while True:
             now = time.monotonic()
