@@ -66,7 +66,16 @@ class _Call:
 class _Link:
     """One pooled connection, the batches written on it and not yet read, and its reader."""
 
-    __slots__ = ("broken", "connection", "pending", "reader", "sending", "wake")
+    __slots__ = (
+        "active_at",
+        "broken",
+        "connection",
+        "idle_timer",
+        "pending",
+        "reader",
+        "sending",
+        "wake",
+    )
 
     def __init__(self, connection: AbstractConnection) -> None:
         self.connection = connection
@@ -75,6 +84,8 @@ class _Link:
         self.wake: asyncio.Future[None] | None = None  # the idle reader sleeps on it
         self.reader: asyncio.Task[None] | None = None
         self.sending = False  # the writer is writing a batch on it
+        self.active_at = 0.0  # loop time the reader last finished a batch
+        self.idle_timer: asyncio.TimerHandle | None = None  # one at a time, not one per batch
 
     def poke(self) -> None:
         if self.wake is not None and not self.wake.done():
@@ -96,6 +107,7 @@ class AutoPipeline:
         self._queue: collections.deque[_Call] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
         self._link: _Link | None = None
+        self._flushing = False  # a `_flush` is scheduled
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
@@ -108,10 +120,64 @@ class AutoPipeline:
         return await future
 
     def _kick(self) -> None:
-        """Start the writer if calls wait and the link can take another batch. A new task
-        first runs on the next loop iteration: every call made in this one joins it."""
-        if self._writer is None and self._queue and not self._full():
-            self._writer = asyncio.get_running_loop().create_task(self._write())
+        """Schedule a flush if calls wait and the link can take another batch. It runs on
+        the next loop iteration: every call made in this one joins its batch."""
+        if not self._flushing and self._writer is None and self._queue and not self._full():
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write the waiting calls on the open link, here and now: no task, no timer (the
+        hot path). Opening a connection, and a socket that did not take a whole batch at
+        once, are left to the writer task, which may wait (bounded by socket_timeout)."""
+        self._flushing = False
+        while self._writer is None and self._queue and not self._full():
+            link = self._link
+            writer = None if link is None else _open_writer(link.connection)
+            if link is None or writer is None or link.sending:
+                self._writer = asyncio.get_running_loop().create_task(self._write())
+                return
+            batch = self._take()
+            if not batch:
+                return
+            self.batches_sent += 1
+            self._sent(len(batch))
+            connection = link.connection
+            writer.writelines(connection.pack_commands([_packed(call) for call in batch]))
+            link.pending.append(batch)
+            link.poke()
+            if writer.transport.get_write_buffer_size():
+                # The socket did not take it all (a slow reader, a full buffer): the rest
+                # is written by the writer task, which waits for it, within socket_timeout.
+                link.sending = True
+                self._writer = asyncio.get_running_loop().create_task(self._drain(link, writer))
+                return
+
+    async def _drain(self, link: _Link, writer: asyncio.StreamWriter) -> None:
+        """Wait until `link`'s socket has taken what `_flush` wrote (redis-py's own bound:
+        the connection's socket_timeout); a failure breaks the link, and its reader fails
+        (or sends again) the batches on it. Then go on writing."""
+        connection = link.connection
+        timeout = getattr(connection, "socket_timeout", None)
+        try:
+            try:
+                async with asyncio.timeout(timeout or None):
+                    await writer.drain()
+            except TimeoutError:
+                raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+            except OSError as exc:
+                raise redis.exceptions.ConnectionError(f"Error while writing: {exc}") from exc
+        except BaseException as exc:
+            self._break(link, exc)
+            await connection.disconnect(nowait=True)  # its reader stops reading too
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            link.sending = False
+            self._writer = None
+        if link.broken is not None and (link.reader is None or link.reader.done()):
+            await self._give_back(link)  # its reader left the connection to us
+        self._kick()
 
     def _full(self) -> bool:
         return self._link is not None and len(self._link.pending) >= MAX_BATCHES
@@ -154,9 +220,7 @@ class AutoPipeline:
         self.batches_sent += 1
         self._sent(len(batch))
         connection = link.connection
-        packed = connection.pack_commands(
-            [command(*call.staged, by_source=call.by_source) for call in batch]
-        )
+        packed = connection.pack_commands([_packed(call) for call in batch])
         failure: BaseException | None = None
         link.sending = True
         try:
@@ -229,23 +293,26 @@ class AutoPipeline:
         """Wait until `link` has a batch to read (True), or is to retire (False): broken,
         closed, or idle for `IDLE_S`. A link being written to is never idle."""
         loop = asyncio.get_running_loop()
-        idle_until = loop.time() + IDLE_S
+        link.active_at = loop.time()
         while not link.pending:
             if link.broken is not None:
                 return False
+            idle_until = link.active_at + IDLE_S
             if not link.sending:
                 if self._link is link and loop.time() >= idle_until:
                     self._link = None  # retired now: no writer can pick it up any more
                 if self._link is not link:
                     return False
-            if loop.time() >= idle_until:
-                idle_until = loop.time() + IDLE_S
+            if loop.time() >= idle_until:  # being written to: idle from now at the earliest
+                link.active_at = loop.time()
+                idle_until = link.active_at + IDLE_S
+            if link.idle_timer is None:
+                # One timer, kept across batches (a busy link re-arms it once per IDLE_S).
+                link.idle_timer = loop.call_at(idle_until, _idle, link)
             link.wake = loop.create_future()
-            timer = loop.call_at(idle_until, link.poke)
             try:
                 await link.wake
             finally:
-                timer.cancel()
                 link.wake = None
         return True
 
@@ -255,6 +322,9 @@ class AutoPipeline:
         it: the writer gives it back then."""
         if self._link is link:
             self._link = None
+        if link.idle_timer is not None:
+            link.idle_timer.cancel()
+            link.idle_timer = None
         error = link.broken or redis.exceptions.ConnectionError("the link was closed")
         again: list[_Call] = []
         while link.pending:
@@ -304,3 +374,25 @@ class AutoPipeline:
             link.poke()
             if not link.pending and not link.sending:
                 await asyncio.gather(link.reader, return_exceptions=True)
+
+
+def _packed(call: _Call) -> tuple[Any, ...]:
+    return command(*call.staged, by_source=call.by_source)
+
+
+def _idle(link: _Link) -> None:
+    """The idle timer of `link` fired: its reader looks whether it has been idle long enough."""
+    link.idle_timer = None
+    link.poke()
+
+
+def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:
+    """The stream to write on, when `connection` is open and its socket takes data now (no
+    backlog): a batch then goes out with one synchronous write. redis-py's own
+    `send_packed_command` would wrap every write in a task and a timer (`wait_for`)."""
+    writer = connection._writer if connection.is_connected else None
+    if writer is None or writer.transport.is_closing():
+        return None
+    if writer.transport.get_write_buffer_size():
+        return None
+    return writer
