@@ -31,15 +31,46 @@ local function check_keys(types)
   end
 end
 
+-- Reads that open a script and double as its type check: command `reads[i]` (a read that
+-- fails on a key of another type, e.g. GET, LLEN, ZCARD) on KEYS[i], whose type should be
+-- `types[i]` (as for check_keys). Returns their replies, in order; a reply of another type
+-- fails the call before anything is written, naming the key as check_keys does. One call
+-- per key, where check_keys and the script's own first reads would take two.
+local function read_keys(types, reads)
+  local replies = {}
+  for i, read in ipairs(reads) do
+    local reply = redis.pcall(read, KEYS[i])
+    if type(reply) == 'table' and reply['err'] then
+      check_keys(types)  -- names the key
+      return error(reply)
+    end
+    if types[i] == 'counter' and reply and not tonumber(reply) then
+      error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number'})
+    end
+    replies[i] = reply
+  end
+  return unpack(replies, 1, #reads)
+end
+
+-- The server clock, read once per script call: one instant for all it does (the call is
+-- atomic anyway), one TIME instead of one per use.
+local clock = nil
+local function server_time()
+  if not clock then
+    clock = redis.call('TIME')
+  end
+  return clock
+end
+
 local function now_ms()
-  local t = redis.call('TIME')
+  local t = server_time()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- The server clock in microseconds since the epoch: about 1.8e15, exact in Lua's numbers
 -- (doubles hold every integer below 2^53, about 9.0e15, until the year 2255).
 local function now_us()
-  local t = redis.call('TIME')
+  local t = server_time()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 

@@ -8,17 +8,18 @@
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
 --         {0, pttl} when queued behind a holder with pttl ms of lease left,
 --         {-1, pttl} when busy and the caller did not queue.
-check_keys({'string', 'list', 'zset', 'counter'})
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag = split_member(member)
 
-local current = redis.call('GET', owner)
+local current, queued, _, last = read_keys(
+  {'string', 'list', 'zset', 'counter'}, {'GET', 'LLEN', 'ZCARD', 'GET'}
+)
 if current == token then
   renew_owner_lease({owner, fence_key}, token, ttl)
-  return {1, (tonumber(redis.call('GET', fence_key)) or 0) - fence_block(token) + 1}
+  return {1, (tonumber(last) or 0) - fence_block(token) + 1}
 end
-if not current and redis.call('LLEN', queue) == 0 then
+if not current and queued == 0 then
   -- The uncontended path: free, nobody queued.
   redis.call('SET', owner, token, 'PX', ttl)
   return {1, grant_fence(fence_key, token, ttl)}

@@ -8,13 +8,16 @@
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
 -- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head,
 -- {2, fence} kept ('keep' only): still held, renewed, and `fence` starts its new block.
-check_keys({'string', 'list', 'zset', 'counter'})
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, channel, keep = ARGV[1], ARGV[2], ARGV[3] == 'keep'
 local token, ttl, tag = split_member(member)
 
-dequeue(queue, waiters, member)
-local current = redis.call('GET', owner)
+local current, queued = read_keys(
+  {'string', 'list', 'zset', 'counter'}, {'GET', 'LLEN', 'ZCARD', 'GET'}
+)
+if dequeue(queue, waiters, member) then
+  queued = redis.call('LLEN', queue)  -- withdrawn from the queue (a cancelled waiter)
+end
 local status = 0
 if current == token then
   status = 1
@@ -22,10 +25,10 @@ elseif current then
   return {0}
 end
 
-if redis.call('LLEN', queue) > 0 then
-  purge_dead(queue, waiters, now_ms())
+if queued > 0 and #purge_dead(queue, waiters, now_ms()) > 0 then
+  queued = redis.call('LLEN', queue)
 end
-if redis.call('LLEN', queue) == 0 then
+if queued == 0 then
   if status == 1 then
     if keep then
       redis.call('PEXPIRE', owner, ttl)
