@@ -120,23 +120,34 @@ def parse_commands(data: bytes) -> list[str]:
 
 
 class CountingPool(ConnectionPool):
-    """An asyncio pool whose connections log every buffer they write to `command_log`."""
+    """An asyncio pool whose connections log every buffer they write to `command_log`.
+
+    Counted where the bytes leave for the socket: each connection's stream writer, wrapped
+    whenever the connection (re)connects. redis-py's `send_packed_command` writes there, and
+    so does aiolocks' auto-pipeline, which writes its batches on the stream itself."""
 
     command_log: CommandLog
 
     def make_connection(self) -> AbstractConnection:
         connection: AbstractConnection = super().make_connection()  # type: ignore[no-untyped-call]
-        send = connection.send_packed_command
+        connect = connection._connect  # type: ignore[attr-defined]
         log = self.command_log
         log.connections_made += 1
 
-        async def counted_send(command: Any, check_health: bool = True) -> None:
-            if not isinstance(command, (bytes, str, list, tuple)):
-                command = list(command)  # an iterator can be read once only
-            log.record(command)
-            await send(command, check_health)
+        async def counted_connect() -> None:
+            await connect()
+            writer = connection._writer
+            assert writer is not None
+            write_lines = writer.writelines
 
-        connection.send_packed_command = counted_send  # type: ignore[method-assign]
+            def counted_write_lines(data: Any) -> None:
+                data = list(data)  # an iterator can be read once only
+                log.record(data)
+                write_lines(data)
+
+            writer.writelines = counted_write_lines  # type: ignore[method-assign]
+
+        connection._connect = counted_connect  # type: ignore[attr-defined]
         return connection
 
 
