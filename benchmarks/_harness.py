@@ -130,12 +130,12 @@ class CountingPool(ConnectionPool):
 
     def make_connection(self) -> AbstractConnection:
         connection: AbstractConnection = super().make_connection()  # type: ignore[no-untyped-call]
-        connect = connection._connect  # type: ignore[attr-defined]
+        connect = connection._connect
         log = self.command_log
         log.connections_made += 1
 
         async def counted_connect() -> None:
-            await connect()
+            await connect()  # type: ignore[no-untyped-call]
             writer = connection._writer
             assert writer is not None
             write_lines = writer.writelines
@@ -147,7 +147,7 @@ class CountingPool(ConnectionPool):
 
             writer.writelines = counted_write_lines  # type: ignore[method-assign]
 
-        connection._connect = counted_connect  # type: ignore[attr-defined]
+        connection._connect = counted_connect  # type: ignore[method-assign]
         return connection
 
 
