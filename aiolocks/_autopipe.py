@@ -41,6 +41,10 @@ _LINK_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 # A script call as the engine sends it: (script, keys, args).
 Staged = tuple[Script, tuple[bytes, ...], tuple[Any, ...]]
 
+# Packed heads (EVALSHA, the SHA, the keys) kept for reuse: a name's calls pack only their
+# arguments. Cleared when full (a client working through more names than this).
+MAX_HEADS = 4096
+
 
 def command(
     script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, by_source: bool
@@ -108,6 +112,7 @@ class AutoPipeline:
         self._writer: asyncio.Task[None] | None = None
         self._link: _Link | None = None
         self._flushing = False  # a `_flush` is scheduled
+        self._heads: dict[tuple[str, tuple[bytes, ...]], bytes] = {}
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
@@ -143,7 +148,7 @@ class AutoPipeline:
             self.batches_sent += 1
             self._sent(len(batch))
             connection = link.connection
-            writer.writelines(connection.pack_commands([_packed(call) for call in batch]))
+            writer.writelines(self._pack(connection, batch))
             link.pending.append(batch)
             link.poke()
             if writer.transport.get_write_buffer_size():
@@ -152,6 +157,26 @@ class AutoPipeline:
                 link.sending = True
                 self._writer = asyncio.get_running_loop().create_task(self._drain(link, writer))
                 return
+
+    def _pack(self, connection: AbstractConnection, batch: list[_Call]) -> list[bytes]:
+        """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
+        the connection's), with each script's and name's head packed once."""
+        encode = connection.encoder.encode
+        parts: list[bytes] = []
+        for call in batch:
+            script, keys, args = call.staged
+            if call.by_source:
+                parts += connection.pack_command(*command(script, keys, args, by_source=True))
+                continue
+            head = self._heads.get((script.sha, keys))
+            if head is None:
+                if len(self._heads) >= MAX_HEADS:
+                    self._heads.clear()
+                words = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *map(encode, keys)]
+                head = self._heads[script.sha, keys] = b"".join(map(_bulk, words))
+            parts += (b"*%d\r\n" % (3 + len(keys) + len(args)), head)
+            parts += map(_bulk, map(encode, args))
+        return parts
 
     async def _drain(self, link: _Link, writer: asyncio.StreamWriter) -> None:
         """Wait until `link`'s socket has taken what `_flush` wrote (redis-py's own bound:
@@ -220,7 +245,7 @@ class AutoPipeline:
         self.batches_sent += 1
         self._sent(len(batch))
         connection = link.connection
-        packed = connection.pack_commands([_packed(call) for call in batch])
+        packed = self._pack(connection, batch)
         failure: BaseException | None = None
         link.sending = True
         try:
@@ -376,8 +401,9 @@ class AutoPipeline:
                 await asyncio.gather(link.reader, return_exceptions=True)
 
 
-def _packed(call: _Call) -> tuple[Any, ...]:
-    return command(*call.staged, by_source=call.by_source)
+def _bulk(value: bytes | memoryview) -> bytes:
+    """One RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(value), bytes(value))
 
 
 def _idle(link: _Link) -> None:
