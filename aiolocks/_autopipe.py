@@ -417,8 +417,10 @@ def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:
     backlog): a batch then goes out with one synchronous write. redis-py's own
     `send_packed_command` would wrap every write in a task and a timer (`wait_for`)."""
     writer = connection._writer if connection.is_connected else None
-    if writer is None or writer.transport.is_closing():
+    # Not a socket's stream (fakeredis' connections): redis-py's own path, in the writer task.
+    transport = getattr(writer, "transport", None)
+    if not isinstance(transport, asyncio.WriteTransport) or transport.is_closing():
         return None
-    if writer.transport.get_write_buffer_size():
+    if transport.get_write_buffer_size():
         return None
     return writer

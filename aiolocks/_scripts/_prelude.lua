@@ -180,10 +180,14 @@ end
 -- The key outlives the lease by IDLE_MS, and never expires before the clock has passed the
 -- stored value: a cohort reserving blocks faster than one fence per microsecond runs the
 -- counter ahead of the clock, and its expiry is pushed back by as much.
-local function grant_fence(fence_key, token, ttl)
+-- `stored`: the counter's value when the caller has just read it (nil: read it here).
+local function grant_fence(fence_key, token, ttl, stored)
   local block = fence_block(token)
   local now = now_us()
-  local base = math.max(tonumber(redis.call('GET', fence_key)) or 0, now)
+  if stored == nil then
+    stored = tonumber(redis.call('GET', fence_key)) or 0
+  end
+  local base = math.max(stored, now)
   local last = base + block
   local keep = tonumber(ttl) + IDLE_MS + math.ceil((last - now) / 1000)
   local left = redis.call('PTTL', fence_key)

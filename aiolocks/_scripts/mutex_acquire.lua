@@ -15,14 +15,15 @@ local token, ttl, tag = split_member(member)
 local current, queued, _, last = read_keys(
   {'string', 'list', 'zset', 'counter'}, {'GET', 'LLEN', 'ZCARD', 'GET'}
 )
+local stored = tonumber(last) or 0  -- the fence counter (grant_fence need not read it again)
 if current == token then
   renew_owner_lease({owner, fence_key}, token, ttl)
-  return {1, (tonumber(last) or 0) - fence_block(token) + 1}
+  return {1, stored - fence_block(token) + 1}
 end
 if not current and queued == 0 then
   -- The uncontended path: free, nobody queued.
   redis.call('SET', owner, token, 'PX', ttl)
-  return {1, grant_fence(fence_key, token, ttl)}
+  return {1, grant_fence(fence_key, token, ttl, stored)}
 end
 
 local now = now_ms()
@@ -34,12 +35,13 @@ if not current then
       dequeue(queue, waiters, member)
     end
     redis.call('SET', owner, token, 'PX', ttl)
-    return {1, grant_fence(fence_key, token, ttl)}
+    return {1, grant_fence(fence_key, token, ttl, stored)}
   end
   -- Free while others wait ahead (the holder's lease ran out): hand it to the head.
   local next_token, next_ttl = pop_head(queue, waiters)
   redis.call('SET', owner, next_token, 'PX', next_ttl)
-  announce(channel, next_token, grant_fence(fence_key, next_token, next_ttl), next_ttl, nil, tag)
+  local fence = grant_fence(fence_key, next_token, next_ttl, stored)
+  announce(channel, next_token, fence, next_ttl, nil, tag)
 end
 
 if mode == 'wait' then

@@ -12,9 +12,10 @@ local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, channel, keep = ARGV[1], ARGV[2], ARGV[3] == 'keep'
 local token, ttl, tag = split_member(member)
 
-local current, queued = read_keys(
+local current, queued, _, last = read_keys(
   {'string', 'list', 'zset', 'counter'}, {'GET', 'LLEN', 'ZCARD', 'GET'}
 )
+local stored = tonumber(last) or 0  -- the fence counter (grant_fence need not read it again)
 if dequeue(queue, waiters, member) then
   queued = redis.call('LLEN', queue)  -- withdrawn from the queue (a cancelled waiter)
 end
@@ -32,7 +33,7 @@ if queued == 0 then
   if status == 1 then
     if keep then
       redis.call('PEXPIRE', owner, ttl)
-      return {2, grant_fence(fence_key, token, ttl)}
+      return {2, grant_fence(fence_key, token, ttl, stored)}
     end
     redis.call('DEL', owner)
   end
@@ -40,6 +41,6 @@ if queued == 0 then
 end
 local next_token, next_ttl, next_tag = pop_head(queue, waiters)
 redis.call('SET', owner, next_token, 'PX', next_ttl)
-local fence = grant_fence(fence_key, next_token, next_ttl)
+local fence = grant_fence(fence_key, next_token, next_ttl, stored)
 announce(channel, next_token, fence, next_ttl, next_tag, tag)
 return {status, next_token, fence, next_ttl}
