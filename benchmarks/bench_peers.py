@@ -761,6 +761,69 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], rtt: dict[str, Any]) 
             )
         )
     out += local_handoff_targets(row)
+    out += default_targets(row)
+    return out
+
+
+# What the default mutex measured before issue 18 (valkey 9.1, this machine, one run of
+# 2026-11-23, base of the issue-18 branch): commands per acquisition, contended.
+BEFORE_18 = {"client_commands": 2.02, "server_commands": 35.1}
+
+
+def default_targets(row: Callable[[str, str], dict[str, Any]]) -> list[Any]:
+    """Issue 18's targets for the default (strict FIFO) mutex, and what is only reported."""
+    ours, out = AiolocksPeer.key, []
+    for workload, peer, need in (
+        ("contended", "python_redis_lock", 1.2),
+        ("processes", "python_redis_lock", 1.2),
+        ("contended", FLOOR, 0.6),
+    ):
+        x = ratio(
+            row(workload, ours).get("acquisitions_per_s"),
+            row(workload, peer).get("acquisitions_per_s"),
+        )
+        label = f"default, {workload}: >= {need}x {BY_KEY[peer].label}"
+        out.append((label, f"{fmt(x)}x", _ge(x, need)))
+    c = row("contended", ours)
+    sent, done = c.get("client_commands_per_acquisition"), c.get("server_commands_per_acquisition")
+    before = BEFORE_18["client_commands"]
+    out.append(
+        (
+            f"default, contended: commands sent per acquisition <= {before} (before issue 18)",
+            fmt(sent),
+            _le(sent, before),
+        )
+    )
+    out.append(
+        (
+            "default, contended: server-side commands per acquisition (reported; before "
+            f"issue 18: {BEFORE_18['server_commands']})",
+            fmt(done),
+            None,
+        )
+    )
+    u, redispy = row("uncontended", ours), row("uncontended", "redispy_sleep_0.1")
+    if u and redispy:
+        x = ratio(u.get("cycles_per_s"), redispy.get("cycles_per_s"))
+        cmds = u.get("client_commands_per_acquisition")
+        out.append(
+            (
+                "default, uncontended: 2 round trips per cycle, >= 1.0x redis-py Lock",
+                f"{fmt(cmds)} commands per cycle, {fmt(x)}x",
+                None if x is None or cmds is None else cmds <= 2.0 and x >= 1.0,
+            )
+        )
+    return out
+
+
+def spread(runs: list[list[Any]]) -> list[dict[str, Any]]:
+    """Each target over several runs: what each run measured, and met in all of them."""
+    out = []
+    for index, (target, _, _) in enumerate(runs[0]):
+        seen = [run[index] for run in runs if index < len(run) and run[index][0] == target]
+        mets = [met for _, _, met in seen]
+        met = None if any(m is None for m in mets) else all(mets)
+        out.append({"target": target, "measured": [m for _, m, _ in seen], "met_in_all": met})
     return out
 
 
@@ -789,6 +852,31 @@ def local_handoff_targets(row: Callable[[str, str], dict[str, Any]]) -> list[Any
             )
         )
     return out
+
+
+_COMPACT = (
+    "acquisitions_per_s",
+    "cycles_per_s",
+    "x_floor",
+    "aiolocks_x",
+    "client_commands_per_acquisition",
+    "server_commands_per_acquisition",
+    "client_cpu_ms_per_acquisition",
+    "server_cpu_ms_per_acquisition",
+    "wait_ms",
+)
+
+
+def compact(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """A run's headline figures per workload and library (the JSON of every run but the
+    first, whose full results are the report's)."""
+    return {
+        workload: {
+            key: {field: row[field] for field in _COMPACT if field in row}
+            for key, row in rows.items()
+        }
+        for workload, rows in results.items()
+    }
 
 
 def _ge(value: float | None, need: float) -> bool | None:
@@ -939,6 +1027,14 @@ def render(console: Any, report: dict[str, Any]) -> None:
     for target, measured, met in report["targets"]:
         table.add_row(target, measured, {True: "yes", False: "NO", None: "-"}[met])
     console.print(table)
+    if report.get("spread"):
+        table = Table(title=f"Targets over {len(report['runs'])} runs (each within its run)")
+        for column in ("target", "measured, run by run", "met in all"):
+            table.add_column(column)
+        for entry in report["spread"]:
+            met = {True: "yes", False: "NO", None: "-"}[entry["met_in_all"]]
+            table.add_row(entry["target"], " | ".join(entry["measured"]), met)
+        console.print(table)
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
@@ -1023,6 +1119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller counts and caps")
     parser.add_argument("--only", help=f"workloads, comma-separated: {','.join(WORKLOADS)}")
     parser.add_argument("--peers", help=f"libraries, comma-separated: {','.join(BY_KEY)}")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run the workloads this many times (tables and chart: the first run; the JSON "
+        "and a last table: every run's ratios and targets)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -1046,9 +1149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = asyncio.run(server_info(url))
         rtt = asyncio.run(evalsha_rtt(url))
         console.print(f"server {info['version']} at {redact(url)}; EVALSHA p50 {rtt['p50_ms']} ms")
-        results = run_all(url, plan, peers, only, console)
+        every = []
+        for run in range(max(1, args.runs)):
+            if args.runs > 1:
+                console.print(f"run {run + 1} of {args.runs}")
+            every.append(run_all(url, plan, peers, only, console))
         rtt_after = asyncio.run(evalsha_rtt(url))
-    add_ratios(results, rtt)
+    for results in every:
+        add_ratios(results, rtt)
+    results = every[0]
     report: dict[str, Any] = {
         "benchmark": "peers",
         "started_at": started_at.isoformat(timespec="seconds"),
@@ -1065,6 +1174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
     }
     report["targets"] = targets(results, rtt)
+    if len(every) > 1:
+        report["runs"] = [{"results": compact(run), "targets": targets(run, rtt)} for run in every]
+        report["spread"] = spread([run["targets"] for run in report["runs"]])
     render(console, report)
     write_json(args.json, report)
     console.print(f"JSON written to {args.json}")

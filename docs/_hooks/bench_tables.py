@@ -452,7 +452,64 @@ def _expiry(data: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def _default_mutex(data: dict[str, Any]) -> str:
+    """bench_peers.py --runs 3 over the acquire loops: the first run's figures per library,
+    then every target with what each run measured."""
+    labels: dict[str, str] = data["libraries"]
+    results: dict[str, dict[str, Any]] = data["results"]
+    tables = [_machine(data)]
+    for workload, title in (
+        ("contended", "**Contended, one process** (16 tasks x 50 on one name), first run:"),
+        ("processes", "**Contended, 4 processes x 8 tasks**, first run:"),
+    ):
+        rows = []
+        for lib, label in labels.items():
+            r = results.get(workload, {}).get(lib)
+            if not r:
+                continue
+            rows.append(
+                (
+                    label,
+                    _num(r.get("acquisitions_per_s")),
+                    _num(r.get("x_floor"), 2),
+                    _times(r.get("aiolocks_x")),
+                    _num(r.get("client_commands_per_acquisition"), 2),
+                    _num(r.get("server_commands_per_acquisition"), 1),
+                    _num(r.get("client_cpu_ms_per_acquisition"), 3),
+                    _num(r.get("server_cpu_ms_per_acquisition"), 3),
+                    _num(r.get("wait_ms", {}).get("p99"), 1),
+                )
+            )
+        header = (
+            "library",
+            "acq/s",
+            "x floor",
+            "aiolocks x",
+            "sent/acq",
+            "server cmds/acq",
+            "client CPU ms/acq",
+            "server CPU ms/acq",
+            "wait p99 ms",
+        )
+        tables += [title, _table(header, rows)]
+    spread = data.get("spread")
+    if spread:
+        runs = len(data.get("runs", []))
+        tables.append(f"**Targets**, each measured within its run, in {runs} runs:")
+        rows = [
+            (
+                entry["target"],
+                " / ".join(entry["measured"]),
+                {True: "yes", False: "no", None: "-"}[entry["met_in_all"]],
+            )
+            for entry in spread
+        ]
+        tables.append(_table(("target", "run by run", "met in all"), rows))
+    return "\n\n".join(tables)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "default_mutex": _default_mutex,
     "expiry": _expiry,
     "scale": _scale,
     "scale_before": _scale,
