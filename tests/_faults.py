@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _history import HistoryLog, check
@@ -26,6 +27,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
+from aiolocks._acquire import _BACKGROUND
 from aiolocks._holding import LeasedLock
 
 __all__ = [
@@ -48,6 +50,8 @@ KINDS: tuple[Kind, ...] = ("mutex", "semaphore", "rwlock")
 # an expiry (docs/architecture.md, "What counts as orphaned"): the fence counter of every
 # primitive, and the stored limit of a semaphore. Anything else, or any key without an
 # expiry, is an orphan.
+# How long a test's teardown lets aiolocks' background clean-ups finish.
+CLEANUP_WAIT = 5.0
 _KEPT = {"mutex": {"fence"}, "semaphore": {"fence", "limit"}, "rwlock": {"fence"}}
 
 
@@ -200,12 +204,17 @@ async def settle(
     return time.monotonic() - started
 
 
-async def close_client(client: redis.asyncio.Redis) -> None:
-    """Stop the client's aiolocks engine (lease keeper, notifier), then close the client.
+async def close_client(client: redis.asyncio.Redis | RedisCluster) -> None:
+    """Let aiolocks' background clean-ups end (bounded), stop the client's aiolocks engine
+    (lease keeper, notifier, auto-pipeline link), then close the client.
 
     A keeper renewing (or a notifier re-connecting) through a link the test broke may be
-    mid-connect when the test ends; closing only the client would leave that new socket
-    to the garbage collector."""
+    mid-connect when the test ends, and a clean-up still running would open a link while
+    the event loop shuts down; closing only the client would leave those sockets to the
+    garbage collector, after the loop is gone."""
+    cleanups = [task for task in _BACKGROUND if not task.done()]
+    if cleanups:
+        await asyncio.wait(cleanups, timeout=CLEANUP_WAIT)
     for context in list(getattr(client, "_aiolocks_contexts", {}).values()):
         await context.aclose()
     await client.aclose()

@@ -137,7 +137,7 @@ async def r(server: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
         await _reset(client, server)
         yield client
     finally:
-        await client.aclose()
+        await close_client(client)
 
 
 @pytest.fixture
@@ -199,7 +199,7 @@ class Backend:
     async def aclose(self) -> None:
         clients, self._clients = self._clients, []
         for client in clients:
-            await client.aclose()
+            await close_client(client)
 
 
 @contextlib.asynccontextmanager
@@ -410,7 +410,7 @@ async def cluster_r(cluster: Cluster) -> AsyncIterator[RedisCluster]:
         await client.initialize()
         yield client
     finally:
-        await client.aclose()
+        await close_client(client)
 
 
 @contextlib.asynccontextmanager

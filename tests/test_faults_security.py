@@ -76,12 +76,12 @@ async def _exercise(clients: list[redis.asyncio.Redis], name: str) -> None:
     """Every primitive through `clients`: contended hand-offs across clients (grant
     messages), renewals, inspect/locked, set_limit."""
     first, second = clients
-    mutexes = [RedisMutex(client, f"{name}-m", ttl=0.3) for client in clients]
+    mutexes = [RedisMutex(client, f"{name}-m", ttl=1) for client in clients]
     assert await mutexes[0].acquire()
     probe = QueueProbe(second)
     waiting = asyncio.create_task(mutexes[1].acquire(timeout=10))
     await probe.wait_queued(1, 5)
-    await asyncio.sleep(0.5)  # past the ttl: the lease lives on renewals alone
+    await asyncio.sleep(1.2)  # past the ttl: the lease and the queue entry live on renewals
     assert await mutexes[0].locked() and (await mutexes[0].inspect()).queue_length == 1
     await mutexes[0].release()
     assert await asyncio.wait_for(waiting, 5)  # handed over by a grant message
