@@ -462,7 +462,7 @@ def _default_mutex(data: dict[str, Any]) -> str:
         ("contended", "**Contended, one process** (16 tasks x 50 on one name), first run:"),
         ("processes", "**Contended, 4 processes x 8 tasks**, first run:"),
     ):
-        rows = []
+        rows: list[Row] = []
         for lib, label in labels.items():
             r = results.get(workload, {}).get(lib)
             if not r:
@@ -498,7 +498,7 @@ def _default_mutex(data: dict[str, Any]) -> str:
         tables.append(f"**Targets**, each measured within its run, in {runs} runs:")
         rows = [
             (
-                entry["target"],
+                str(entry["target"]),
                 " / ".join(entry["measured"]),
                 {True: "yes", False: "no", None: "-"}[entry["met_in_all"]],
             )
