@@ -148,7 +148,18 @@ class AutoPipeline:
             self.batches_sent += 1
             self._sent(len(batch))
             connection = link.connection
-            writer.writelines(self._pack(connection, batch))
+            try:
+                packed = self._pack(connection, batch)
+            except Exception as exc:  # an argument redis-py cannot encode: the callers'
+                self._settle_all(batch, exc)
+                continue
+            try:
+                writer.writelines(packed)
+            except Exception as exc:  # the socket is gone: as a lost connection
+                failure = redis.exceptions.ConnectionError(f"connection closed: {exc!r}")
+                self._break(link, failure)
+                self._settle_all(batch, failure)  # sent again where allowed, on a new link
+                continue
             link.pending.append(batch)
             link.poke()
             if writer.transport.get_write_buffer_size():

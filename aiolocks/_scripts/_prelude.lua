@@ -31,25 +31,37 @@ local function check_keys(types)
   end
 end
 
--- Reads that open a script and double as its type check: command `reads[i]` (a read that
--- fails on a key of another type, e.g. GET, LLEN, ZCARD) on KEYS[i], whose type should be
--- `types[i]` (as for check_keys). Returns their replies, in order; a reply of another type
--- fails the call before anything is written, naming the key as check_keys does. One call
--- per key, where check_keys and the script's own first reads would take two.
-local function read_keys(types, reads)
+-- Reads that open a script and double as its type check: each of KEYS[i] is read as the
+-- type `types[i]` should be (as for check_keys: GET for a string or counter, LLEN for a
+-- list, ZCARD for a zset, HLEN for a hash), a read that fails on a key of another type.
+-- Returns the replies, in order; a key of another type fails the call before anything is
+-- written, naming the key as check_keys does. One call per key, where check_keys and the
+-- script's own first reads would take two.
+local function read_as(want, key)
+  if want == 'list' then
+    return redis.pcall('LLEN', key)
+  elseif want == 'zset' then
+    return redis.pcall('ZCARD', key)
+  elseif want == 'hash' then
+    return redis.pcall('HLEN', key)
+  end
+  return redis.pcall('GET', key)
+end
+
+local function read_keys(types)
   local replies = {}
-  for i, read in ipairs(reads) do
-    local reply = redis.pcall(read, KEYS[i])
+  for i, want in ipairs(types) do
+    local reply = read_as(want, KEYS[i])
     if type(reply) == 'table' and reply['err'] then
       check_keys(types)  -- names the key
       return error(reply)
     end
-    if types[i] == 'counter' and reply and not tonumber(reply) then
+    if want == 'counter' and reply and not tonumber(reply) then
       error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number'})
     end
     replies[i] = reply
   end
-  return unpack(replies, 1, #reads)
+  return unpack(replies, 1, #types)
 end
 
 -- The server clock, read once per script call: one instant for all it does (the call is

@@ -12,9 +12,7 @@ local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag = split_member(member)
 
-local current, queued, _, last = read_keys(
-  {'string', 'list', 'zset', 'counter'}, {'GET', 'LLEN', 'ZCARD', 'GET'}
-)
+local current, queued, _, last = read_keys({'string', 'list', 'zset', 'counter'})
 local stored = tonumber(last) or 0  -- the fence counter (grant_fence need not read it again)
 if current == token then
   renew_owner_lease({owner, fence_key}, token, ttl)
