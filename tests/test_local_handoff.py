@@ -116,7 +116,7 @@ async def test_four_processes_of_sixteen_tasks(r: redis.asyncio.Redis, url: str)
 async def test_a_remote_waiter_gets_in_within_the_bound(url: str) -> None:
     """A waiter of another client (another process, as far as the lock can tell) queued
     while eight local tasks keep passing the lock around gets it after at most `bound`
-    more local holdings."""
+    more local holdings after the current one."""
     bound = 4
     local = redis.asyncio.Redis.from_url(url)
     remote = redis.asyncio.Redis.from_url(url)
@@ -145,7 +145,10 @@ async def test_a_remote_waiter_gets_in_within_the_bound(url: str) -> None:
         await asyncio.wait_for(asyncio.gather(*spinners), 20)
         assert remote_fence is not None
         before_remote = [fence for fence in after_queued if fence < remote_fence]
-        assert len(before_remote) <= bound, (before_remote, remote_fence)
+        # The documented bound: N local holdings after the current one. The probe may see
+        # the queue entry before the holding under way at that moment looks at it (under
+        # load it did), so that one can be counted too.
+        assert len(before_remote) <= bound + 1, (before_remote, remote_fence)
         assert len(probe.queued) == 1
         assert context_for(local).cohorts == {}
     finally:
