@@ -112,6 +112,7 @@ class AutoPipeline:
         self._writer: asyncio.Task[None] | None = None
         self._link: _Link | None = None
         self._flushing = False  # a `_flush` is scheduled
+        self._closed = False  # `aclose()` was called: no new link is opened
         self._heads: dict[tuple[str, tuple[bytes, ...]], bytes] = {}
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
@@ -282,6 +283,10 @@ class AutoPipeline:
             raise failure
 
     async def _open(self) -> _Link:
+        if self._closed:
+            # A call made after its engine was stopped (a clean-up run while the event loop
+            # shuts down): a new link would outlive the loop, its socket left to the GC.
+            raise redis.exceptions.ConnectionError("the aiolocks engine of this client was closed")
         connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         link = self._link = _Link(connection)
         link.reader = asyncio.get_running_loop().create_task(self._read(link))
@@ -404,7 +409,9 @@ class AutoPipeline:
         self._queue.extendleft(reversed(again))
 
     async def aclose(self) -> None:
-        """Retire the link: at once if idle, else once the batches on their way are read."""
+        """Retire the link: at once if idle, else once the batches on their way are read.
+        No new link is opened afterwards (calls fail as on a lost connection)."""
+        self._closed = True
         link, self._link = self._link, None
         if link is not None and link.reader is not None:
             link.poke()
