@@ -222,15 +222,20 @@ end
 -- `keys` (a Lua table): the lease key first, then the keys that must outlive the lease (its
 -- fence counter, its fences hash, a semaphore's limit); each is kept ttl_ms + IDLE_MS.
 
+-- The lease key (keys[1]) extended to ttl_ms as its PX, the others kept past it. Returns 1.
+local function extend_lease(keys, ttl_ms)
+  redis.call('PEXPIRE', keys[1], int_str(ttl_ms))
+  keep_all(keys, 2, tonumber(ttl_ms) + IDLE_MS)
+  return 1
+end
+
 -- An owner key (mutex, RW writer) holding the token, with the lease as its PX.
 -- Returns 1 when extended, 0 when the token no longer holds it (the lease is lost).
 local function renew_owner_lease(keys, token, ttl_ms)
   if redis.call('GET', keys[1]) ~= token then
     return 0
   end
-  redis.call('PEXPIRE', keys[1], int_str(ttl_ms))
-  keep_all(keys, 2, tonumber(ttl_ms) + IDLE_MS)
-  return 1
+  return extend_lease(keys, ttl_ms)
 end
 
 -- An election's leader hash (its field 'token' names the leader, the lease is its PX).
@@ -239,9 +244,7 @@ local function renew_leader_lease(keys, token, ttl_ms)
   if redis.call('HGET', keys[1], 'token') ~= token then
     return 0
   end
-  redis.call('PEXPIRE', keys[1], int_str(ttl_ms))
-  keep_all(keys, 2, tonumber(ttl_ms) + IDLE_MS)
-  return 1
+  return extend_lease(keys, ttl_ms)
 end
 
 -- A member of a sorted set of holders (token -> lease deadline, server ms: semaphore, RW
