@@ -14,9 +14,10 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
@@ -32,6 +33,7 @@ PROCESSES = 4
 KILLS = 10  # alternately a holder and a waiter
 ITERATIONS = 15
 TTL = 1.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,11 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
         args = (valkey_notify.url, name, index, ITERATIONS, TTL, 20)
         tracked.append(Tracked(await spawn(WORKER, *args), changed))
 
-    async def wait_for(predicate: object, timeout: float = 20) -> None:
-        async def wait() -> None:
-            async with changed:
-                await changed.wait_for(predicate)  # type: ignore[arg-type]
-
-        await asyncio.wait_for(wait(), timeout)
+    async def wait_for(predicate: Callable[[], T], timeout: float = 20) -> T:
+        # In this task, holding the condition: what the predicate saw is still true when
+        # the caller acts on it (a wait_for task hop let a reader change it in between).
+        async with asyncio.timeout(timeout), changed:
+            return await changed.wait_for(predicate)
 
     def grants() -> int:
         return sum(1 for t in tracked for _, fields in t.events if fields[0] == "held")
@@ -102,7 +103,11 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
         for k in range(KILLS):
             # Let a few holdings happen, then pick a victim in the wanted state.
             goal = grants() + rng.randint(2, 5)
-            await wait_for(lambda goal=goal: grants() >= goal)
+
+            def reached(goal: int = goal) -> bool:
+                return grants() >= goal
+
+            await wait_for(reached)
             want_holder = k % 2 == 0
 
             def victims(want_holder: bool = want_holder) -> list[Tracked]:
@@ -115,8 +120,8 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
                     and t.last != "finished"
                 ]
 
-            await wait_for(lambda: bool(victims()))
-            victim = rng.choice(victims())
+            # Chosen and signalled with no await in between, so it is in the wanted state.
+            victim = rng.choice(await wait_for(victims))
             held = victim.events[-1][1][1] if want_holder else None
             victim.worker.kill()
             await victim.worker.proc.wait()
@@ -172,4 +177,8 @@ async def test_sigkill_of_holders_and_waiters_during_a_contended_run(
         assert problems == []
         assert len(recover) == KILLS // 2
     finally:
+        for t in tracked:
+            t.worker.kill()
+            t.reader.cancel()
+        await asyncio.gather(*(t.reader for t in tracked), return_exceptions=True)
         await admin.aclose()
