@@ -36,7 +36,7 @@ from . import _telemetry
 from ._context import ClientContext
 from ._leases import cancelling, validity
 from ._scripts import Script
-from ._waitqueue import Waiter, Wake
+from ._waitqueue import Carry, Waiter, Wake
 
 __all__ = [
     "Grant",
@@ -65,6 +65,9 @@ TRY_BOUND = 2.0
 # A grant whose lease, counted from a moment known to precede it, has less than this part
 # of its ttl left is confirmed with the server before it is reported (see _Late).
 _CONFIRM_BELOW, _MAX_CONFIRMS = 0.5, 3
+# How long a task that asks for a carrying primitive (a mutex) while another task of the
+# same client holds it waits for that holder's release to queue it, before it queues itself.
+CARRY_WAIT = 0.002
 # Back-off between re-checks of a queued waiter while Redis cannot be reached.
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 # What a server that restarts or fails over answers for a while: a queued waiter waits on.
@@ -104,6 +107,10 @@ class Spec:
     # Builds the error for a REFUSED reply (given the stored value); primitives that store
     # configuration set it.
     refused: Callable[[int], Exception] | None = None
+    # Its release script can queue this client's later arrivals (`WaitQueue.defer`): a task
+    # that asks while another task of the client holds it waits for that holder's release
+    # to queue it, instead of a call of its own (up to CARRY_WAIT).
+    carries: bool = False
     # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
     counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)
 
@@ -166,6 +173,8 @@ async def acquire(
     miss = Miss(unanswered=False)
     late = _Late(ttl_ms)
     unreachable = False
+    call = True  # the next step is a call to the acquire script (else: sleep first)
+    carrying = False  # waiting for a local holder's release to carry it
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms)
@@ -174,7 +183,37 @@ async def acquire(
             mode = "wait"
         outage = _RETRY_MIN
         answered = False  # the server has answered this acquisition at least once
+        may_defer = waiter is not None
         while True:
+            if may_defer:
+                may_defer = False  # once per acquisition, when it parks
+                assert waiter is not None
+                if context.waitqueue.defer(waiter):
+                    carrying = True
+                    wake = await _carried(context, waiter, deadline)
+                    carrying = False
+                    if waiter.carry is Carry.TAKEN:
+                        dirty = True  # a release call may have queued it
+                    if wake is Wake.GRANTED and not late.confirm(waiter.granted_at, waiter):
+                        assert waiter.fence is not None
+                        dirty = False
+                        return _granted(context, spec, token, waiter.fence, waiter.granted_at)
+                    if wake is Wake.DEADLINE:
+                        return miss
+                    call = wake is not Wake.CARRIED  # queued by the release: no call now
+            if not call:
+                call = True
+                assert waiter is not None
+                wake = await waiter.sleep(deadline)
+                if wake is Wake.GRANTED:
+                    if late.confirm(waiter.granted_at, waiter):
+                        continue
+                    assert waiter.fence is not None
+                    dirty = False
+                    return _granted(context, spec, token, waiter.fence, waiter.granted_at)
+                if wake is Wake.DEADLINE:
+                    return miss
+                continue
             sent_at = time.monotonic()
             if waiter is not None and mode == "wait" and waiter.queued_at == 0.0:
                 waiter.still_queued(sent_at)  # unknown to the server before this call
@@ -204,7 +243,7 @@ async def acquire(
                         continue
                     assert waiter.fence is not None
                     dirty = False
-                    return Grant(token, waiter.fence, waiter.granted_at)
+                    return _granted(context, spec, token, waiter.fence, waiter.granted_at)
                 continue
             outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
@@ -214,7 +253,7 @@ async def acquire(
                 if late.confirm(sent_at, waiter):
                     continue  # answered after a stall: re-run (it re-arms the lease)
                 dirty = False
-                return Grant(token, value, sent_at)
+                return _granted(context, spec, token, value, sent_at)
             if status == REFUSED:
                 fresh = None if respec is None else respec()
                 if fresh is not None and fresh.args != spec.args:
@@ -231,7 +270,7 @@ async def acquire(
                     if late.confirm(waiter.granted_at, waiter):
                         continue
                     dirty = False
-                    return Grant(token, waiter.fence, waiter.granted_at)
+                    return _granted(context, spec, token, waiter.fence, waiter.granted_at)
             if status == BUSY:
                 dirty = False
                 if not blocking:
@@ -241,18 +280,11 @@ async def acquire(
                 await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
                 retained = True
                 mode = "wait"
+                may_defer = True
                 continue
             # Unknown (or a holder key without expiry, not set by us): wait a ttl, not a spin.
             waiter.lot.note_lease(value if value >= 0 else ttl_ms)
-            wake = await waiter.sleep(deadline)
-            if wake is Wake.GRANTED:
-                if late.confirm(waiter.granted_at, waiter):
-                    continue
-                assert waiter.fence is not None
-                dirty = False
-                return Grant(token, waiter.fence, waiter.granted_at)
-            if wake is Wake.DEADLINE:
-                return miss
+            call = False  # sleep, at the top of the loop
     except TimeoutError:
         # `_bounded` ran out of time while Redis was slow: same as the deadline.
         return Miss(unanswered=True, wait_ms=miss.wait_ms)
@@ -261,6 +293,8 @@ async def acquire(
         raise
     finally:
         if waiter is not None:
+            if carrying and waiter.carry is Carry.TAKEN:
+                dirty = True  # interrupted while a release that carries it was in flight
             context.waitqueue.remove(waiter)
             context.keeper.unwatch_waiter(spec.heartbeat_keys, waiter)
         if retained:
@@ -272,6 +306,31 @@ async def acquire(
             if unreachable:
                 until = time.monotonic() + GRACE
             await withdraw(context, spec, token, ttl_ms, until)
+
+
+def _granted(context: ClientContext, spec: Spec, token: str, fence: int, at: float) -> Grant:
+    if spec.carries:
+        context.waitqueue.note_held(spec.channel, token)
+    return Grant(token, fence, at)
+
+
+async def _carried(context: ClientContext, waiter: Waiter, deadline: float | None) -> Wake:
+    """Wait for a local holder's release to carry `waiter` (`WaitQueue.defer`), CARRY_WAIT
+    at most: GRANTED, CARRIED (queued on the server by that release), DEADLINE (the
+    caller's), or RECHECK: the waiter is to call on its own now."""
+    until: float | None = _earliest(deadline, time.monotonic() + CARRY_WAIT)
+    while True:
+        wake = await waiter.sleep(until)
+        if wake in (Wake.GRANTED, Wake.CARRIED, Wake.RECHECK):
+            return wake
+        if deadline is not None and time.monotonic() >= deadline:
+            context.waitqueue.undefer(waiter)
+            return Wake.DEADLINE
+        if wake is Wake.DEADLINE and waiter.carry is Carry.TAKEN:
+            until = deadline  # a release carrying it is in flight: its answer wakes it
+            continue
+        context.waitqueue.undefer(waiter)  # not taken in time (or the lot's lease timer)
+        return Wake.RECHECK
 
 
 class _Late:
@@ -324,19 +383,27 @@ def _earliest(deadline: float | None, other: float) -> float:
     return other if deadline is None else min(deadline, other)
 
 
-async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
+async def release(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *, carry: bool = False
+) -> bool | None:
     """Run the release script for `token`; True if it held the primitive, False if not.
 
     A call cut off by a connection error is run once more; if that one finds the token not
     holding, the answer is None: the first call may have released it (its reply was lost)
     or the lease may have been lost, and only the caller's lease can tell which.
     When the script hands the primitive to a waiter of this same client, that waiter is
-    woken here rather than by the pub/sub round trip.
+    woken here rather than by the pub/sub round trip. `carry` (a holder's release of a
+    carrying primitive): the call also queues the local waiters deferred behind it.
     """
+    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
+    extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
-    reply, unsure = await release_reply(context, spec, token, ttl_ms)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
     wake_granted(context, spec, reply, 1, sent_at)
-    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
+    for waiter in carried:
+        if waiter.fence is None:
+            waiter.carried(sent_at)
+    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)  # a carried grant is one too
     held = int(reply[0]) == 1
     return None if unsure and not held else held
 
@@ -349,6 +416,7 @@ async def release_reply(
     off (it may have done the work, and the reply is then the retry's)."""
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
+    context.waitqueue.note_released(spec.channel, token)
     try:
         return await granting(context, spec, spec.release, args), False
     except _LOST_REPLY:
@@ -406,7 +474,7 @@ async def release_surely(
     re-raised.
     """
     try:
-        return await release(context, spec, token, ttl_ms)
+        return await release(context, spec, token, ttl_ms, carry=True)
     except asyncio.CancelledError:
         await withdraw(context, spec, token, ttl_ms, until)
         raise
@@ -425,7 +493,7 @@ async def release_until(
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
     validity): past it the answer is UNANSWERED and the release goes on in the background."""
     try:
-        return await _bounded(release(context, spec, token, ttl_ms), until)
+        return await _bounded(release(context, spec, token, ttl_ms, carry=True), until)
     except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic())
         return UNANSWERED
@@ -494,7 +562,9 @@ _BACKGROUND: set[asyncio.Future[None]] = set()
 
 
 def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
-    waiter = context.waitqueue.park(spec.channel, token, ttl_ms, spec.kind, spec.shared)
+    waiter = context.waitqueue.park(
+        spec.channel, token, ttl_ms, spec.kind, spec.shared, spec.carries
+    )
     context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter
 

@@ -441,7 +441,9 @@ class LeasedLock:
             raise self._lost_error(holding)
         del self._holdings[holding.task]
         self._uncap(holding)
-        self._stop_renewal(context_for(self._client), holding)
+        context = context_for(self._client)
+        self._stop_renewal(context, holding)
+        context.waitqueue.note_released(self._spec.channel, holding.token)  # no release here
         _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
 

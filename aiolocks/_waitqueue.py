@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Iterator
 
-__all__ = ["Lot", "WaitQueue", "Waiter", "Wake"]
+__all__ = ["Carry", "Lot", "WaitQueue", "Waiter", "Wake"]
 
 
 class Wake(enum.Enum):
@@ -25,14 +25,25 @@ class Wake(enum.Enum):
     RECHECK = "recheck"  # the server state may have changed: re-run acquire
     TIMER = "timer"  # the safety-net timer (the holder's lease may have ended)
     DEADLINE = "deadline"  # the caller's timeout ran out
+    CARRIED = "carried"  # a local holder's release queued it on the server (see `defer`)
+
+
+class Carry(enum.Enum):
+    """Where a waiter stands with being carried by a local holder's release (`defer`)."""
+
+    NONE = 0  # it makes its own calls
+    WAITING = 1  # waiting for a local holder's release to take it along
+    TAKEN = 2  # a release call that carries it was sent: the server may know it
 
 
 class Waiter:
     """One parked acquisition: its token, and what it has been told while parked."""
 
     __slots__ = (
+        "_carried",
         "_future",
         "_recheck",
+        "carry",
         "fence",
         "granted_at",
         "lot",
@@ -54,6 +65,8 @@ class Waiter:
         self.queued_at = 0.0
         self.granted_at = 0.0
         self._recheck = False
+        self.carry = Carry.NONE
+        self._carried = False  # the carrying release answered: queued on the server
         self._future: asyncio.Future[Wake] | None = None
 
     def still_queued(self, sent_at: float) -> None:
@@ -77,6 +90,12 @@ class Waiter:
         self._recheck = True
         self._wake(Wake.RECHECK)
 
+    def carried(self, sent_at: float) -> None:
+        """The release call that carried it (sent at `sent_at`) queued it on the server."""
+        self.still_queued(sent_at)
+        self._carried = True
+        self._wake(Wake.CARRIED)
+
     def _wake(self, reason: Wake) -> None:
         if self._future is not None and not self._future.done():
             self._future.set_result(reason)
@@ -89,6 +108,9 @@ class Waiter:
             if self._recheck:
                 self._recheck = False
                 return Wake.RECHECK
+            if self._carried:
+                self._carried = False
+                return Wake.CARRIED
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return Wake.DEADLINE
@@ -123,11 +145,13 @@ def _resolve(future: asyncio.Future[Wake], reason: Wake) -> None:
 class Lot:
     """The waiters of one channel in this process, in arrival order."""
 
-    __slots__ = ("_waiters", "channel", "lease_end", "shared")
+    __slots__ = ("_waiters", "carries", "channel", "lease_end", "shared")
 
-    def __init__(self, channel: bytes, shared: bool = False) -> None:
+    def __init__(self, channel: bytes, shared: bool = False, carries: bool = False) -> None:
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
+        # Its primitive's release can queue this client's later arrivals (see `defer`).
+        self.carries = carries
         # When the first lease in the way ends, as far as we know (monotonic).
         self.lease_end: float | None = None
         # Several holders at once (a semaphore, a read-write lock): a grant adds a lease
@@ -155,11 +179,16 @@ class Lot:
 class WaitQueue:
     """All lots of one client: park / unpark(token) / recheck / unpark_all."""
 
-    __slots__ = ("_by_token", "_lots", "tag")
+    __slots__ = ("_by_token", "_deferred", "_held", "_lots", "tag")
 
     def __init__(self) -> None:
         self._lots: dict[bytes, Lot] = {}
         self._by_token: dict[str, Waiter] = {}
+        # Per channel of a carrying primitive (a mutex): the tokens this client was granted
+        # and has not begun to release, and the waiters that wait for such a holder's
+        # release to queue them (see `defer`).
+        self._held: dict[bytes, set[str]] = {}
+        self._deferred: dict[bytes, dict[str, Waiter]] = {}
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = secrets.token_hex(4)
 
@@ -168,11 +197,17 @@ class WaitQueue:
         return f"{token}:{ttl_ms}:{self.tag}:{kind}"
 
     def park(
-        self, channel: bytes, token: str, ttl_ms: int, kind: str, shared: bool = False
+        self,
+        channel: bytes,
+        token: str,
+        ttl_ms: int,
+        kind: str,
+        shared: bool = False,
+        carries: bool = False,
     ) -> Waiter:
         lot = self._lots.get(channel)
         if lot is None:
-            lot = self._lots[channel] = Lot(channel, shared)
+            lot = self._lots[channel] = Lot(channel, shared, carries)
         waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind))
         lot._waiters[token] = waiter
         self._by_token[token] = waiter
@@ -184,6 +219,8 @@ class WaitQueue:
         if lot._waiters.pop(waiter.token, None) is None:
             return
         self._by_token.pop(waiter.token, None)
+        if waiter.carry is Carry.WAITING:
+            self._undefer(waiter)
         if not lot._waiters:
             del self._lots[lot.channel]
         elif was_head:
@@ -197,7 +234,57 @@ class WaitQueue:
         waiter = self._by_token.get(token)
         if waiter is None:
             return False
+        if waiter.lot.carries:
+            self.note_held(waiter.lot.channel, token)
         waiter.grant(fence, after)
+        return True
+
+    # Carrying: a task that asks for a mutex while another task of this client holds it
+    # waits (briefly) for that holder's release to queue it in the same script call, which
+    # saves a round trip per contended acquisition (see docs/architecture.md).
+
+    def note_held(self, channel: bytes, token: str) -> None:
+        """`token` of this client was granted the (carrying) primitive of `channel`."""
+        self._held.setdefault(channel, set()).add(token)
+
+    def note_released(self, channel: bytes, token: str) -> None:
+        """`token`'s holding ends here (its release begins, or it was detached)."""
+        held = self._held.get(channel)
+        if held is not None:
+            held.discard(token)
+            if not held:
+                del self._held[channel]
+
+    def defer(self, waiter: Waiter) -> bool:
+        """Let `waiter` wait for a local holder's release to carry it, if a local holder of
+        its channel exists; False (nothing changed) otherwise."""
+        channel = waiter.lot.channel
+        if not waiter.lot.carries or channel not in self._held:
+            return False
+        self._deferred.setdefault(channel, {})[waiter.token] = waiter
+        waiter.carry = Carry.WAITING
+        return True
+
+    def take_deferred(self, channel: bytes) -> list[Waiter]:
+        """The waiters a release of `channel` about to be sent carries, in arrival order."""
+        taken = list(self._deferred.pop(channel, {}).values())
+        for waiter in taken:
+            waiter.carry = Carry.TAKEN
+        return taken
+
+    def _undefer(self, waiter: Waiter) -> None:
+        deferred = self._deferred.get(waiter.lot.channel)
+        if deferred is not None:
+            deferred.pop(waiter.token, None)
+            if not deferred:
+                del self._deferred[waiter.lot.channel]
+        waiter.carry = Carry.NONE
+
+    def undefer(self, waiter: Waiter) -> bool:
+        """Stop waiting to be carried; False if a release has taken it already."""
+        if waiter.carry is not Carry.WAITING:
+            return waiter.carry is Carry.NONE
+        self._undefer(waiter)
         return True
 
     def lot(self, channel: bytes) -> Lot | None:

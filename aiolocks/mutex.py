@@ -51,6 +51,7 @@ def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _acq
         release=_RELEASE,
         renew=_RENEW,
         renew_keys=(owner, fence),
+        carries=True,
         counters=Counters() if counters is None else counters,
     )
 
