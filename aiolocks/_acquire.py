@@ -321,6 +321,8 @@ async def _carried(context: ClientContext, waiter: Waiter, deadline: float | Non
     until: float | None = _earliest(deadline, time.monotonic() + CARRY_WAIT)
     while True:
         wake = await waiter.sleep(until)
+        if wake is Wake.RECHECK:
+            context.waitqueue.undefer(waiter)  # it calls now (no-op if a release took it)
         if wake in (Wake.GRANTED, Wake.CARRIED, Wake.RECHECK):
             return wake
         if deadline is not None and time.monotonic() >= deadline:

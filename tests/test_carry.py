@@ -258,3 +258,28 @@ async def test_a_lost_reply_of_the_carrying_release_leaves_no_waiter_stranded(
     assert info.queue_length == 0 and info.owner is not None
     await waiter.release()
     assert (await waiter.inspect()).owner is None
+
+
+async def test_a_recheck_while_waiting_to_be_carried_queues_it_itself(
+    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, patient: None
+) -> None:
+    """A re-check (a heartbeat that found it not queued, a reconnect) ends the wait to be
+    carried: it queues with its own call, and the holder's release no longer carries it."""
+    deferrals = Deferrals(monkeypatch)
+    holder = RedisMutex(r, "carry:recheck", ttl=10)
+    waiter = RedisMutex(r, "carry:recheck", ttl=10)
+    assert await holder.acquire()
+    probe = QueueProbe(r)
+    waiting = asyncio.create_task(waiter.acquire())
+    await deferrals.wait(1)
+    calls = Calls(r)
+    context_for(r).waitqueue.recheck_all(waiter._spec.channel)
+    await probe.wait_queued(1)
+    assert len(calls.queue_calls(waiter)) == 1
+    await holder.release()
+    (release,) = calls.releases_of(holder)
+    assert "carry" not in release
+    assert await asyncio.wait_for(waiting, 5)
+    await waiter.release()
+    info = await waiter.inspect()
+    assert info.owner is None and info.queue_length == 0
