@@ -219,8 +219,7 @@ class WaitQueue:
         if lot._waiters.pop(waiter.token, None) is None:
             return
         self._by_token.pop(waiter.token, None)
-        if waiter.carry is Carry.WAITING:
-            self._undefer(waiter)
+        self.undefer(waiter)
         if not lot._waiters:
             del self._lots[lot.channel]
         elif was_head:
@@ -272,20 +271,16 @@ class WaitQueue:
             waiter.carry = Carry.TAKEN
         return taken
 
-    def _undefer(self, waiter: Waiter) -> None:
+    def undefer(self, waiter: Waiter) -> None:
+        """Stop waiting to be carried (nothing changes once a release has taken it)."""
+        if waiter.carry is not Carry.WAITING:
+            return
         deferred = self._deferred.get(waiter.lot.channel)
         if deferred is not None:
             deferred.pop(waiter.token, None)
             if not deferred:
                 del self._deferred[waiter.lot.channel]
         waiter.carry = Carry.NONE
-
-    def undefer(self, waiter: Waiter) -> bool:
-        """Stop waiting to be carried; False if a release has taken it already."""
-        if waiter.carry is not Carry.WAITING:
-            return waiter.carry is Carry.NONE
-        self._undefer(waiter)
-        return True
 
     def lot(self, channel: bytes) -> Lot | None:
         return self._lots.get(channel)
