@@ -115,6 +115,12 @@ async def queue(client: redis.asyncio.Redis, name: str, probe: QueueProbe) -> Qu
     return Queued(mutex, task, context_for(client).waitqueue._by_token[probe.queued[-1]])
 
 
+async def free(mutex: RedisMutex) -> None:
+    """Nobody holds or waits for `mutex`'s name on the server."""
+    info = await mutex.inspect()
+    assert info.owner is None and info.queue_length == 0
+
+
 def untouched(waiter: Waiter) -> asyncio.Future[Wake]:
     """The future `waiter` sleeps on, checked to be pending."""
     future = waiter._future
@@ -144,8 +150,7 @@ async def test_a_promotion_to_head_wakes_no_one(clients: list[redis.asyncio.Redi
     await second.mutex.release()
     assert await asyncio.wait_for(third.task, 5)
     await third.mutex.release()
-    info = await holder.inspect()
-    assert info.owner is None and info.queue_length == 0
+    await free(holder)
 
 
 @pytest.mark.slow
@@ -171,6 +176,7 @@ async def test_a_lease_end_learned_later_wakes_no_one_at_the_old_end(pair: Any) 
     await first.mutex.release()
     assert await asyncio.wait_for(second.task, 5)
     await second.mutex.release()
+    await free(second.mutex)
 
 
 async def test_only_the_head_rechecks_at_a_silent_lease_end(pair: Any) -> None:
@@ -196,6 +202,7 @@ async def test_only_the_head_rechecks_at_a_silent_lease_end(pair: Any) -> None:
     await second.mutex.release()
     assert await asyncio.wait_for(third.task, 5)
     await third.mutex.release()
+    await free(third.mutex)
 
 
 @pytest.fixture
@@ -252,8 +259,7 @@ async def test_a_carried_waiter_is_not_woken_until_its_grant(
     assert carried.future.result() is Wake.GRANTED  # the one wake of its task
     assert carried.calls.made == []  # it made no acquire call at all
     await carried.mutex.release()
-    info = await carried.mutex.inspect()
-    assert info.owner is None and info.queue_length == 0
+    await free(carried.mutex)
 
 
 async def test_a_carried_waiter_times_out_on_time_and_leaves_nothing(
@@ -268,8 +274,7 @@ async def test_a_carried_waiter_times_out_on_time_and_leaves_nothing(
     info = await carried.remote.inspect()
     assert info.owner is not None and info.queue_length == 0  # withdrawn from the queue
     await carried.remote.release()
-    info = await carried.remote.inspect()
-    assert info.owner is None and info.queue_length == 0
+    await free(carried.remote)
 
 
 async def test_a_carried_waiter_told_to_recheck_calls_once(
@@ -287,3 +292,4 @@ async def test_a_carried_waiter_told_to_recheck_calls_once(
     assert await asyncio.wait_for(carried.task, 5)
     assert [call.status for call in carried.calls.made] == [0]
     await carried.mutex.release()
+    await free(carried.mutex)
