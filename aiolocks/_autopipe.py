@@ -7,11 +7,16 @@ connection also keeps a burst (10,000 tasks trying 1,000 names at once) off the 
 which would otherwise open a connection per command in flight. A call made while the
 client is quiet still goes out at once, alone.
 
-All calls share one connection (a "link", taken from the client's pool): one task writes
-batches, another reads their replies in order, so the next batch is written while the
-previous one's replies are still on their way. One connection also keeps the order: a
-release a cancelled acquirer sends to clean up can never reach the server before the
-acquire it follows, as it could over two connections.
+All calls share one connection (a "link", taken from the client's pool): batches are
+written at once when the socket takes them, and their replies are read in order, so the
+next batch is written while the previous one's replies are still on their way. One
+connection also keeps the order: a release a cancelled acquirer sends to clean up can
+never reach the server before the acquire it follows, as it could over two connections.
+
+On a socket (RESP2, hiredis) the replies are parsed where the bytes arrive, in the
+transport's own callback (`_Replies`), and each caller is answered from there: no reader
+task, no timer per reply. Other connections (fakeredis, RESP3) are read by a task of the
+link's through redis-py, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +29,18 @@ from typing import Any
 import redis.exceptions
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 
+try:
+    import hiredis
+
+    _HIREDIS = True
+    # RESP3 pushes (hiredis 3.2+), told apart from replies; without it, RESP2 links only.
+    _PUSH: tuple[type, ...] = tuple(
+        kind for kind in (getattr(hiredis, "PushNotification", None),) if kind is not None
+    )
+except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
+    _HIREDIS = False
+    _PUSH = ()
+
 from ._scripts import Script
 
 __all__ = ["AutoPipeline", "Staged", "command"]
@@ -33,6 +50,9 @@ MAX_BATCHES = 2
 MAX_BATCH = 512
 # A link with nothing to do gives its connection back to the pool after this long.
 IDLE_S = 5.0
+# Replies parsed in the transport's callback (see `_Replies`); off: a reader task reads
+# them through redis-py, as on connections that are not plain sockets (for tests).
+DIRECT_READS = True
 
 # What a lost connection looks like; every engine script is idempotent, so a call cut off
 # by one may be sent again (once, if the caller allows).
@@ -68,16 +88,23 @@ class _Call:
 
 
 class _Link:
-    """One pooled connection, the batches written on it and not yet read, and its reader."""
+    """One pooled connection, the batches written on it and not yet read, and its reader
+    (or, when its replies are parsed where they arrive, the task that retires it)."""
 
     __slots__ = (
         "active_at",
+        "answered",
         "broken",
         "connection",
         "idle_timer",
+        "parser",
         "pending",
         "reader",
         "sending",
+        "stall_timer",
+        "timeout",
+        "transport",
+        "waiting_since",
         "wake",
     )
 
@@ -90,6 +117,16 @@ class _Link:
         self.sending = False  # the writer is writing a batch on it
         self.active_at = 0.0  # loop time the reader last finished a batch
         self.idle_timer: asyncio.TimerHandle | None = None  # one at a time, not one per batch
+        # Direct reads (`_Replies`): the hiredis reader the bytes are fed to, how many calls
+        # of the first pending batch are answered, and the transport and its own protocol.
+        self.parser: Any = None
+        self.answered = 0
+        self.transport: asyncio.BaseTransport | None = None
+        # A direct link waiting longer than the connection's socket_timeout for a reply is
+        # broken, as redis-py's read would be: since when it waits, and the one timer.
+        self.timeout: float | None = None
+        self.waiting_since = 0.0
+        self.stall_timer: asyncio.TimerHandle | None = None
 
     def poke(self) -> None:
         if self.wake is not None and not self.wake.done():
@@ -161,8 +198,7 @@ class AutoPipeline:
                 self._break(link, failure)
                 self._settle_all(batch, failure)  # sent again where allowed, on a new link
                 continue
-            link.pending.append(batch)
-            link.poke()
+            self._appended(link, batch)
             if writer.transport.get_write_buffer_size():
                 # The socket did not take it all (a slow reader, a full buffer): the rest
                 # is written by the writer task, which waits for it, within socket_timeout.
@@ -272,8 +308,9 @@ class AutoPipeline:
         finally:
             link.sending = False
         if link.broken is None:
-            link.pending.append(batch)
-            link.poke()
+            self._appended(link, batch)
+            if link.parser is not None:
+                self._parse(link)  # replies that came while it was being written
             return
         # Broken meanwhile: whatever this batch did, its replies are lost with the link.
         self._settle_all(batch, failure or link.broken)
@@ -289,8 +326,72 @@ class AutoPipeline:
             raise redis.exceptions.ConnectionError("the aiolocks engine of this client was closed")
         connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         link = self._link = _Link(connection)
+        if DIRECT_READS:
+            _read_directly(link, self)
         link.reader = asyncio.get_running_loop().create_task(self._read(link))
         return link
+
+    def _appended(self, link: _Link, batch: list[_Call]) -> None:
+        """`batch` was written on `link`: its replies are awaited."""
+        if link.parser is None:
+            link.pending.append(batch)
+            link.poke()  # the reader task reads it
+            return
+        if not link.pending:
+            link.waiting_since = asyncio.get_running_loop().time()
+        link.pending.append(batch)
+        if link.timeout is not None and link.stall_timer is None:
+            self._stalled(link)
+
+    def _parse(self, link: _Link) -> None:
+        """Answer the callers whose replies have arrived on a direct link (in order), from
+        the bytes its transport fed to `link.parser`; a protocol error, a connection error
+        reply or a reply no call waits for breaks the link, as a read through redis-py
+        would. Bytes that may answer a batch still being written wait for it."""
+        parser = link.parser
+        again: list[_Call] = []
+        finished = False
+        try:
+            while link.broken is None and (link.pending or not link.sending):
+                reply = parser.gets()
+                if reply is _MORE:
+                    break
+                if isinstance(reply, _PUSH):
+                    continue  # RESP3 out-of-band news (tracking, maintenance): no call's
+                if isinstance(reply, redis.exceptions.ConnectionError):
+                    raise reply  # e.g. LOADING: a server not ready
+                if not link.pending:
+                    raise redis.exceptions.InvalidResponse("a reply no call was waiting for")
+                batch = link.pending[0]
+                call = batch[link.answered]
+                link.answered += 1
+                self._settle(call, reply, again)
+                if link.answered == len(batch):
+                    link.pending.popleft()
+                    link.answered = 0
+                    finished = True
+        except Exception as exc:
+            self._break(link, exc)
+        finally:
+            self._requeue(again)
+        if finished:
+            link.active_at = link.waiting_since = asyncio.get_running_loop().time()
+            if not link.pending and self._link is not link:
+                link.poke()  # retired meanwhile: its task gives the connection back now
+            self._kick()
+
+    def _stalled(self, link: _Link) -> None:
+        """The stall timer of a direct link: break it if a reply has been awaited for the
+        connection's socket_timeout, else re-arm for when that would be."""
+        link.stall_timer = None
+        if link.broken is not None or not link.pending or link.timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        due = link.waiting_since + link.timeout
+        if loop.time() >= due:
+            self._break(link, redis.exceptions.TimeoutError("Timeout reading from socket"))
+            return
+        link.stall_timer = loop.call_at(due, self._stalled, link)
 
     def _break(self, link: _Link, error: BaseException) -> None:
         """Nothing more can be read from `link`: new batches go to a new connection."""
@@ -301,7 +402,8 @@ class AutoPipeline:
         link.poke()
 
     async def _read(self, link: _Link) -> None:
-        """Read the replies of `link`'s batches in order and hand each to its caller."""
+        """Read the replies of `link`'s batches in order and hand each to its caller (a
+        direct link's are parsed as they arrive: there it only waits), then retire it."""
         try:
             while await self._next(link):
                 batch = link.pending[0]
@@ -331,20 +433,23 @@ class AutoPipeline:
             self._kick()
 
     async def _next(self, link: _Link) -> bool:
-        """Wait until `link` has a batch to read (True), or is to retire (False): broken,
-        closed, or idle for `IDLE_S`. A link being written to is never idle."""
+        """Wait until `link` has a batch for its reader task to read (True; never on a
+        direct link, whose replies are parsed as they arrive), or is to retire (False):
+        broken, closed, or idle for `IDLE_S`. A link being written to, or awaiting replies,
+        is never idle. Batches do not wake a direct link's task: its idle timer does, once
+        per IDLE_S, and so do a break, a close, and the last reply of a closed link."""
         loop = asyncio.get_running_loop()
         link.active_at = loop.time()
-        while not link.pending:
+        while link.parser is not None or not link.pending:
             if link.broken is not None:
                 return False
             idle_until = link.active_at + IDLE_S
-            if not link.sending:
+            if not link.sending and not link.pending:
                 if self._link is link and loop.time() >= idle_until:
                     self._link = None  # retired now: no writer can pick it up any more
                 if self._link is not link:
                     return False
-            if loop.time() >= idle_until:  # being written to: idle from now at the earliest
+            if loop.time() >= idle_until:  # busy: idle from now at the earliest
                 link.active_at = loop.time()
                 idle_until = link.active_at + IDLE_S
             if link.idle_timer is None:
@@ -376,6 +481,14 @@ class AutoPipeline:
             await self._give_back(link)
 
     async def _give_back(self, link: _Link) -> None:
+        if link.stall_timer is not None:
+            link.stall_timer.cancel()
+            link.stall_timer = None
+        if link.parser is not None:
+            # redis-py reads the connection again; bytes left unparsed would be misread.
+            _restore(link)
+            if link.parser.has_data() and link.broken is None:
+                link.broken = redis.exceptions.InvalidResponse("unparsed bytes left")
         if link.broken is not None:
             await link.connection.disconnect(nowait=True)
         await self._pool.release(link.connection)
@@ -428,6 +541,95 @@ def _idle(link: _Link) -> None:
     """The idle timer of `link` fired: its reader looks whether it has been idle long enough."""
     link.idle_timer = None
     link.poke()
+
+
+# What a hiredis reader returns while a reply is incomplete.
+_MORE = object()
+# The connection protocols whose replies `_Replies` parses: RESP2, and RESP3 when hiredis
+# marks its pushes (redis-py 8 connects with RESP3 by default).
+_PROTOCOLS = ("2", "None", "3") if _PUSH else ("2", "None")
+
+
+class _Replies(asyncio.Protocol):
+    """The protocol a direct link's transport calls: bytes go to the link's parser and
+    answer their callers there and then; connection events break the link. Everything is
+    passed on to the connection's own protocol too (its stream sees the close, and
+    `drain()` keeps its flow control)."""
+
+    def __init__(self, pipeline: AutoPipeline, link: _Link, inner: asyncio.BaseProtocol) -> None:
+        self._pipeline = pipeline
+        self._link = link
+        self.inner = inner
+
+    def data_received(self, data: bytes) -> None:
+        link = self._link
+        if link.broken is None:
+            link.parser.feed(data)
+            self._pipeline._parse(link)
+
+    def eof_received(self) -> bool | None:
+        self._lost(None)
+        eof_received = getattr(self.inner, "eof_received", None)
+        return None if eof_received is None else bool(eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(exc)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def _lost(self, exc: Exception | None) -> None:
+        reason = "Connection closed by server." if exc is None else f"connection lost: {exc!r}"
+        self._pipeline._break(self._link, redis.exceptions.ConnectionError(reason))
+
+
+def _read_directly(link: _Link, pipeline: AutoPipeline) -> None:
+    """Have `link`'s replies parsed where they arrive (`_Replies`), if its connection is a
+    RESP2 socket with nothing buffered and hiredis is there; else leave it to redis-py."""
+    connection = link.connection
+    writer = connection._writer if connection.is_connected else None
+    transport = getattr(writer, "transport", None)
+    stream = connection._reader
+    if (
+        not _HIREDIS
+        or str(getattr(connection, "protocol", 2)) not in _PROTOCOLS
+        or not isinstance(transport, asyncio.Transport)
+        or transport.is_closing()
+        or not isinstance(stream, asyncio.StreamReader)
+        or stream._buffer  # type: ignore[attr-defined]
+        or stream.at_eof()
+    ):
+        return
+    parse_error = getattr(connection._parser, "parse_error", None)
+    if parse_error is None:
+        return
+    options: dict[str, Any] = {
+        "protocolError": redis.exceptions.InvalidResponse,
+        "replyError": parse_error,
+        "notEnoughData": _MORE,
+    }
+    encoder = connection.encoder
+    if encoder.decode_responses:
+        options["encoding"] = encoder.encoding
+        options["errors"] = encoder.encoding_errors
+    link.parser = hiredis.Reader(**options)
+    link.transport = transport
+    timeout = getattr(connection, "socket_timeout", None)
+    link.timeout = float(timeout) if timeout else None
+    transport.set_protocol(_Replies(pipeline, link, transport.get_protocol()))
+
+
+def _restore(link: _Link) -> None:
+    """Give a direct link's transport its connection's own protocol back."""
+    transport = link.transport
+    protocol = None if transport is None else transport.get_protocol()
+    if isinstance(protocol, _Replies):
+        assert transport is not None
+        transport.set_protocol(protocol.inner)
 
 
 def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:

@@ -328,15 +328,21 @@ async def test_a_burst_of_2000_acquisitions_over_200_names_uses_few_connections(
 async def test_an_idle_link_gives_its_connection_back(
     named: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """As redis-py left it: the transport gets the connection's own protocol back, and
+    redis-py reads that connection again."""
     monkeypatch.setattr(_autopipe, "IDLE_S", 0.05)
     context = context_for(named)
     assert await context.run(ECHO, (), ("x",)) == b"x"
     link = _pipe(context)._link
-    assert link is not None and link.reader is not None
+    assert link is not None and link.reader is not None and link.transport is not None
+    own = _replies_protocol(_pipe(context)).inner
     pool = named.connection_pool
     assert link.connection in pool._in_use_connections
     await asyncio.wait_for(link.reader, 5)
     assert _pipe(context)._link is None
+    assert link.transport.get_protocol() is own
+    assert link.connection in pool._available_connections
+    assert await named.echo("through redis-py") == b"through redis-py"  # that connection
     assert link.connection in pool._available_connections
     assert await context.run(ECHO, (), ("y",)) == b"y"  # a new link from the pool
 
@@ -365,3 +371,131 @@ async def test_cluster_clients_keep_the_per_command_path(cluster_r: RedisCluster
     outcomes: list[Any] = await asyncio.gather(*(m.acquire(blocking=False) for m in mutexes))
     assert all(outcomes)
     await asyncio.gather(*(m.release() for m in mutexes))
+
+
+# --------------------------------------------------------------------------- direct reads
+
+
+def _replies_protocol(pipe: AutoPipeline) -> Any:
+    link = pipe._link
+    assert link is not None and link.transport is not None
+    return link.transport.get_protocol()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decoded"])
+async def test_replies_are_parsed_where_they_arrive(url: str, protocol: int, decode: bool) -> None:
+    """On a socket the link's replies are parsed in its transport's callback (RESP2 and
+    RESP3, bytes or decoded), each caller answered with its own reply or error, in order;
+    a NOSCRIPT is answered by EVAL on the same link."""
+    client = redis.asyncio.Redis.from_url(url, protocol=protocol, decode_responses=decode)
+    try:
+        context = context_for(client)
+        fresh = _script("test_fresh", f"return 'fresh-{protocol}-{decode}'")  # not cached
+        replies = await asyncio.gather(
+            *(context.run(ECHO, (), (f"v{i}",)) for i in range(50)),
+            context.run(ECHO, (), ("boom",)),
+            context.run(fresh, (), ()),
+            return_exceptions=True,
+        )
+        assert isinstance(_replies_protocol(_pipe(context)), _autopipe._Replies)
+        expected = [f"v{i}" if decode else f"v{i}".encode() for i in range(50)]
+        assert replies[:50] == expected
+        assert isinstance(replies[50], redis.exceptions.ResponseError)
+        assert "boom" in str(replies[50])
+        fresh_reply = f"fresh-{protocol}-{decode}"
+        assert replies[51] == (fresh_reply if decode else fresh_reply.encode())
+    finally:
+        await client.aclose()
+
+
+class _Fed:
+    """A hiredis reader whose `feed` is observed."""
+
+    def __init__(self, reader: Any, feed: Any) -> None:
+        self._reader = reader
+        self.feed = feed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+async def test_a_resp3_push_on_the_link_answers_no_call(url: str, r: redis.asyncio.Redis) -> None:
+    """A push (here: a client-tracking invalidation) arriving between replies is not
+    taken for the reply of the call in flight."""
+    client = redis.asyncio.Redis.from_url(url, protocol=3)
+    try:
+        # The connection the link will take: tracking on, and a key read (so tracked).
+        await r.set("ap:tracked", "first")
+        connection = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        await connection.send_command("CLIENT", "TRACKING", "ON")
+        assert await connection.read_response() in (b"OK", "OK")
+        await connection.send_command("GET", "ap:tracked")
+        await connection.read_response()
+        await client.connection_pool.release(connection)
+        context = context_for(client)
+        assert await context.run(ECHO, (), ("before",)) == b"before"
+        link = _pipe(context)._link
+        assert link is not None and link.connection is connection
+        pushed = asyncio.Event()
+        feed = link.parser.feed
+
+        def fed(data: bytes) -> None:
+            feed(data)
+            if b"invalidate" in data:
+                pushed.set()
+
+        link.parser = _Fed(link.parser, fed)
+        await r.set("ap:tracked", "changed")  # the server pushes an invalidation to the link
+        await asyncio.wait_for(pushed.wait(), 5)
+        replies = await asyncio.gather(*(context.run(ECHO, (), (f"a{i}",)) for i in range(20)))
+        assert replies == [f"a{i}".encode() for i in range(20)]
+        assert _pipe(context)._link is link  # not broken by it
+    finally:
+        await client.aclose()
+
+
+async def test_a_stalled_direct_link_fails_its_calls_after_socket_timeout(
+    proxy: Proxy, direct: redis.asyncio.Redis
+) -> None:
+    """No reply within the client's socket_timeout breaks the link, as redis-py's read
+    would: a call that may not be sent again fails with TimeoutError, one that may goes
+    again on a new connection once the server answers."""
+    client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=0.3)
+    try:
+        context = context_for(client)
+        assert await context.run(ECHO, (), ("warm",)) == b"warm"
+        connections = proxy.connections
+        proxy.stall()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        once = asyncio.ensure_future(context.run(INCR, (b"ap:once",), (), retry=False))
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await asyncio.wait_for(once, 5)
+        assert 0.3 <= loop.time() - started < 3.0
+        proxy.resume()
+        assert await asyncio.wait_for(context.run(ECHO, (), ("after",)), 5) == b"after"
+        assert proxy.connections == connections + 1  # a new link
+    finally:
+        for context in list(getattr(client, "_aiolocks_contexts", {}).values()):
+            await context.aclose()
+        await client.aclose()
+
+
+async def test_the_redis_py_reader_still_serves_when_direct_reads_are_off(
+    named: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_autopipe, "DIRECT_READS", False)
+    context = context_for(named)
+    replies = await asyncio.gather(
+        *(context.run(ECHO, (), (f"v{i}",)) for i in range(20)),
+        context.run(ECHO, (), ("boom",)),
+        return_exceptions=True,
+    )
+    assert replies[:20] == [f"v{i}".encode() for i in range(20)]
+    assert isinstance(replies[20], redis.exceptions.ResponseError)
+    link = _pipe(context)._link
+    assert link is not None and link.parser is None
+    writer = link.connection._writer
+    assert writer is not None
+    assert not isinstance(writer.transport.get_protocol(), _autopipe._Replies)
