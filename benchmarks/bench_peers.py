@@ -181,6 +181,9 @@ def summarize(
     counted = count(client_side, before, after, workload=2 * raw["increments"])
     holds = [record[2] for record in records]
     cycles = [record[1] + record[3] for record in records]
+    # The lock's own part of the critical path: from a holder's release call to the next
+    # holder's return from acquire (records are in acquisition order, on one clock).
+    handoffs = [cur[0] - (prev[0] + prev[2]) for prev, cur in itertools.pairwise(records)]
     result: dict[str, Any] = {
         "acquisitions": n,
         "expected_acquisitions": expected,
@@ -189,6 +192,11 @@ def summarize(
         "wait_ms": wait_summary([record[1] for record in records]),
         "cycle_ms": {"median": ms(percentile(cycles, 50)), "p99": ms(percentile(cycles, 99))},
         "mean_hold_ms": ms(statistics.fmean(holds)) if holds else None,
+        "handoff_ms": (
+            {"mean": ms(statistics.fmean(handoffs)), "median": ms(percentile(handoffs, 50))}
+            if handoffs
+            else None
+        ),
         # CPU per acquisition: where the time goes on a small machine.
         "client_cpu_ms_per_acquisition": ms(raw["cpu_s"] / n) if n else None,
         "server_cpu_ms_per_acquisition": (
@@ -928,6 +936,8 @@ _ACQ: list[Column] = [
     ("server cmds/acq", _get("server_commands_per_acquisition"), 2),
     ("client CPU ms/acq", _get("client_cpu_ms_per_acquisition"), 3),
     ("server CPU ms/acq", _get("server_cpu_ms_per_acquisition"), 3),
+    ("hold ms", _get("mean_hold_ms"), 3),
+    ("hand-off ms", _get("handoff_ms", "mean"), 3),
     ("re-grabs", regrab_cell, 0),
     ("counter", counter_cell, 0),
 ]

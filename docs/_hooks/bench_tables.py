@@ -477,6 +477,8 @@ def _default_mutex(data: dict[str, Any]) -> str:
                     _num(r.get("server_commands_per_acquisition"), 1),
                     _num(r.get("client_cpu_ms_per_acquisition"), 3),
                     _num(r.get("server_cpu_ms_per_acquisition"), 3),
+                    _num(r.get("mean_hold_ms"), 3),
+                    _num((r.get("handoff_ms") or {}).get("mean"), 3),
                     _num(r.get("wait_ms", {}).get("p99"), 1),
                 )
             )
@@ -489,6 +491,8 @@ def _default_mutex(data: dict[str, Any]) -> str:
             "server cmds/acq",
             "client CPU ms/acq",
             "server CPU ms/acq",
+            "hold ms",
+            "hand-off ms",
             "wait p99 ms",
         )
         tables += [title, _table(header, rows)]
