@@ -177,7 +177,7 @@ async def acquire(
     carrying = False  # waiting for a local holder's release to carry it
     try:
         if blocking and context.notifier.watching(spec.channel):
-            waiter = _park(context, spec, token, ttl_ms)
+            waiter = _park(context, spec, token, ttl_ms, deadline)
             await context.notifier.retain(spec.channel, spec.watch_key)
             retained = True
             mode = "wait"
@@ -190,7 +190,7 @@ async def acquire(
                 assert waiter is not None
                 if context.waitqueue.defer(waiter):
                     carrying = True
-                    wake = await _carried(context, waiter, deadline)
+                    wake = await _carried(context, waiter)
                     carrying = False
                     if waiter.carry is Carry.TAKEN:
                         dirty = True  # a release call may have queued it
@@ -200,11 +200,10 @@ async def acquire(
                         return _granted(context, spec, token, waiter.fence, waiter.granted_at)
                     if wake is Wake.DEADLINE:
                         return miss
-                    call = wake is not Wake.CARRIED  # queued by the release: no call now
             if not call:
                 call = True
                 assert waiter is not None
-                wake = await waiter.sleep(deadline)
+                wake = await waiter.sleep()
                 if wake is Wake.GRANTED:
                     if late.confirm(waiter.granted_at, waiter):
                         continue
@@ -236,7 +235,7 @@ async def acquire(
                 miss = Miss(unanswered=False, wait_ms=miss.wait_ms, failure=repr(exc))
                 if deadline is not None and time.monotonic() >= deadline:
                     return miss
-                wake = await waiter.sleep(_earliest(deadline, time.monotonic() + outage))
+                wake = await waiter.sleep(time.monotonic() + outage)
                 outage = min(outage * 2, _RETRY_MAX)
                 if wake is Wake.GRANTED:
                     if late.confirm(waiter.granted_at, waiter):
@@ -276,7 +275,7 @@ async def acquire(
                 if not blocking:
                     return miss
             if waiter is None:
-                waiter = _park(context, spec, token, ttl_ms)
+                waiter = _park(context, spec, token, ttl_ms, deadline)
                 await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
                 retained = True
                 mode = "wait"
@@ -314,25 +313,19 @@ def _granted(context: ClientContext, spec: Spec, token: str, fence: int, at: flo
     return Grant(token, fence, at)
 
 
-async def _carried(context: ClientContext, waiter: Waiter, deadline: float | None) -> Wake:
-    """Wait for a local holder's release to carry `waiter` (`WaitQueue.defer`), CARRY_WAIT
-    at most: GRANTED, CARRIED (queued on the server by that release), DEADLINE (the
-    caller's), or RECHECK: the waiter is to call on its own now."""
-    until: float | None = _earliest(deadline, time.monotonic() + CARRY_WAIT)
+async def _carried(context: ClientContext, waiter: Waiter) -> Wake:
+    """Wait for a local holder's release to carry `waiter` (`WaitQueue.defer`): GRANTED,
+    DEADLINE (the caller's), or RECHECK: the waiter is to call on its own now (not taken
+    within CARRY_WAIT, a re-check, the lot's timer). Once a release has taken it, it waits
+    for that release's answer: a grant, or, queued on the server, its grant as any waiter's.
+    """
+    until = time.monotonic() + CARRY_WAIT
     while True:
-        wake = await waiter.sleep(until)
-        if wake is Wake.RECHECK:
-            context.waitqueue.undefer(waiter)  # it calls now (no-op if a release took it)
-        if wake in (Wake.GRANTED, Wake.CARRIED, Wake.RECHECK):
-            return wake
-        if deadline is not None and time.monotonic() >= deadline:
-            context.waitqueue.undefer(waiter)
-            return Wake.DEADLINE
-        if wake is Wake.DEADLINE and waiter.carry is Carry.TAKEN:
-            until = deadline  # a release carrying it is in flight: its answer wakes it
-            continue
-        context.waitqueue.undefer(waiter)  # not taken in time (or the lot's lease timer)
-        return Wake.RECHECK
+        wake = await waiter.sleep(until if waiter.carry is Carry.WAITING else None)
+        if wake is Wake.UNTIL and waiter.carry is Carry.TAKEN:
+            continue  # taken just as the wait ran out: its release's answer wakes it
+        context.waitqueue.undefer(waiter)  # it calls now (no-op if a release took it)
+        return wake if wake in (Wake.GRANTED, Wake.DEADLINE) else Wake.RECHECK
 
 
 class _Late:
@@ -379,10 +372,6 @@ async def confirm(
         spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
     )
     return int(reply[0]), int(acked)
-
-
-def _earliest(deadline: float | None, other: float) -> float:
-    return other if deadline is None else min(deadline, other)
 
 
 async def release(
@@ -563,9 +552,11 @@ async def _withdraw(
 _BACKGROUND: set[asyncio.Future[None]] = set()
 
 
-def _park(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> Waiter:
+def _park(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, deadline: float | None
+) -> Waiter:
     waiter = context.waitqueue.park(
-        spec.channel, token, ttl_ms, spec.kind, spec.shared, spec.carries
+        spec.channel, token, ttl_ms, spec.kind, spec.shared, spec.carries, deadline
     )
     context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter

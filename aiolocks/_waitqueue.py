@@ -1,10 +1,11 @@
 """The local FIFO of parked waiters, one lot per channel, shared by every primitive.
 
 A waiter sleeps on its own future and is woken by: a grant for its token (`unpark`),
-a hint that the server state changed (`recheck_first`, `recheck_all`), its promotion to
-the head of its lot, or a timer. Only the head of a lot keeps the safety-net timer at the
-current lease's end, so a long wait costs one re-check per lease per process, not one per
-waiter.
+a hint that the server state changed (`recheck_first`, `recheck_all`), the caller's
+deadline, the end of its own short wait (`sleep(until)`), or its lot's timer. Only the
+head of a lot keeps the safety-net timer at the current lease's end, so a long wait costs
+one re-check per lease per process, not one per waiter: the timer is the lot's (one per
+lot, re-armed lazily), so a new head is not woken to take it over.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ class Wake(enum.Enum):
 
     GRANTED = "granted"  # a grant message for its token arrived: it holds the primitive
     RECHECK = "recheck"  # the server state may have changed: re-run acquire
-    TIMER = "timer"  # the safety-net timer (the holder's lease may have ended)
+    TIMER = "timer"  # the lot's safety-net timer (the holder's lease may have ended)
     DEADLINE = "deadline"  # the caller's timeout ran out
-    CARRIED = "carried"  # a local holder's release queued it on the server (see `defer`)
+    UNTIL = "until"  # the sleep's own bound ran out (a back-off, a wait to be carried)
 
 
 class Carry(enum.Enum):
@@ -40,10 +41,12 @@ class Waiter:
     """One parked acquisition: its token, and what it has been told while parked."""
 
     __slots__ = (
-        "_carried",
+        "_deadline_timer",
         "_future",
         "_recheck",
+        "_until_timer",
         "carry",
+        "deadline",
         "fence",
         "granted_at",
         "lot",
@@ -53,11 +56,14 @@ class Waiter:
         "ttl_ms",
     )
 
-    def __init__(self, lot: Lot, token: str, ttl_ms: int, member: str) -> None:
+    def __init__(
+        self, lot: Lot, token: str, ttl_ms: int, member: str, deadline: float | None = None
+    ) -> None:
         self.lot = lot
         self.token = token
         self.ttl_ms = ttl_ms
         self.member = member  # its queue entry on the server
+        self.deadline = deadline  # the caller's (monotonic), for the whole acquisition
         self.fence: int | None = None
         # A moment (monotonic) known to precede any grant it may get: when a call that
         # found it not granted (its queue call, a heartbeat) was sent. A grant's lease is
@@ -66,8 +72,11 @@ class Waiter:
         self.granted_at = 0.0
         self._recheck = False
         self.carry = Carry.NONE
-        self._carried = False  # the carrying release answered: queued on the server
         self._future: asyncio.Future[Wake] | None = None
+        # One deadline timer for the whole acquisition (armed by its first sleep), and the
+        # current sleep's own bound, if any.
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._until_timer: asyncio.TimerHandle | None = None
 
     def still_queued(self, sent_at: float) -> None:
         """A call sent at `sent_at` found this waiter not yet granted."""
@@ -91,50 +100,70 @@ class Waiter:
         self._wake(Wake.RECHECK)
 
     def carried(self, sent_at: float) -> None:
-        """The release call that carried it (sent at `sent_at`) queued it on the server."""
+        """The release call that carried it (sent at `sent_at`) queued it on the server: it
+        sleeps on (no wake) until its grant, a re-check, the lot's timer or its deadline."""
         self.still_queued(sent_at)
-        self._carried = True
-        self._wake(Wake.CARRIED)
+
+    def _taken(self) -> None:
+        """A release call that carries it is about to be sent: its answer (a grant, or a
+        re-check if the reply is lost) is what it waits for now, not the end of the wait to
+        be carried."""
+        self.carry = Carry.TAKEN
+        if self._until_timer is not None:
+            self._until_timer.cancel()
+            self._until_timer = None
 
     def _wake(self, reason: Wake) -> None:
         if self._future is not None and not self._future.done():
             self._future.set_result(reason)
 
-    async def sleep(self, deadline: float | None) -> Wake:
-        """Sleep until told something, the lot's lease timer (head only) or `deadline`."""
+    def _stop(self) -> None:
+        """It leaves the queue: no timer of its own outlives it."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+
+    async def sleep(self, until: float | None = None) -> Wake:
+        """Sleep until told something (GRANTED, RECHECK), the lot's lease timer if it is the
+        head (TIMER), the caller's deadline (DEADLINE) or `until` (UNTIL)."""
         while True:
             if self.fence is not None:
                 return Wake.GRANTED
             if self._recheck:
                 self._recheck = False
                 return Wake.RECHECK
-            if self._carried:
-                self._carried = False
-                return Wake.CARRIED
             now = time.monotonic()
+            deadline = self.deadline
             if deadline is not None and now >= deadline:
                 return Wake.DEADLINE
-            timer = self.lot.lease_end if self.lot.head() is self else None
-            if timer is not None and now >= timer:
-                return Wake.TIMER
-            wake_at = min((t for t in (deadline, timer) if t is not None), default=None)
+            end = self.lot.lease_end
+            if end is not None and now >= end and self.lot.head() is self:
+                return Wake.TIMER  # the lot's timer fired while it was not asleep
+            if until is not None and now >= until:
+                return Wake.UNTIL
             loop = asyncio.get_running_loop()
             future: asyncio.Future[Wake] = loop.create_future()
             self._future = future
-            handle = None
-            if wake_at is not None:
-                handle = loop.call_at(loop.time() + (wake_at - now), _resolve, future, Wake.TIMER)
+            if deadline is not None and self._deadline_timer is None:
+                self._deadline_timer = loop.call_at(
+                    loop.time() + (deadline - now), self._wake, Wake.DEADLINE
+                )
+            if until is not None:
+                self._until_timer = loop.call_at(
+                    loop.time() + (until - now), _resolve, future, Wake.UNTIL
+                )
             try:
                 reason = await future
             finally:
                 self._future = None
-                if handle is not None:
-                    handle.cancel()
-            if reason is not Wake.TIMER:
-                continue  # the flags decide; a promotion just re-arms the timer
+                if self._until_timer is not None:
+                    self._until_timer.cancel()
+                    self._until_timer = None
+            if reason in (Wake.GRANTED, Wake.RECHECK):
+                continue  # the flags decide
             if deadline is not None and time.monotonic() >= deadline:
                 return Wake.DEADLINE
-            return Wake.TIMER
+            return reason
 
 
 def _resolve(future: asyncio.Future[Wake], reason: Wake) -> None:
@@ -143,9 +172,10 @@ def _resolve(future: asyncio.Future[Wake], reason: Wake) -> None:
 
 
 class Lot:
-    """The waiters of one channel in this process, in arrival order."""
+    """The waiters of one channel in this process, in arrival order, and their one
+    safety-net timer at the first lease end in the way."""
 
-    __slots__ = ("_waiters", "carries", "channel", "lease_end", "shared")
+    __slots__ = ("_timer", "_timer_at", "_waiters", "carries", "channel", "lease_end", "shared")
 
     def __init__(self, channel: bytes, shared: bool = False, carries: bool = False) -> None:
         self.channel = channel
@@ -157,6 +187,11 @@ class Lot:
         # Several holders at once (a semaphore, a read-write lock): a grant adds a lease
         # and ends none, so it can only bring the first lease end closer.
         self.shared = shared
+        # The safety-net timer, armed (while there are waiters) at `_timer_at`, which is
+        # never later than `lease_end`: a lease end that moves later is followed when the
+        # timer fires, not by re-arming on each grant.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -174,6 +209,36 @@ class Lot:
         if grant and self.shared and self.lease_end is not None:
             end = min(end, self.lease_end)
         self.lease_end = end
+        if self._waiters and (self._timer is None or end < self._timer_at):
+            self._arm(end)
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer_at = at
+        self._timer = loop.call_at(loop.time() + (at - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        end, head = self.lease_end, self.head()
+        if end is None or head is None:
+            return
+        if end > time.monotonic():
+            self._arm(end)  # the lease end moved later meanwhile: no wake
+        else:
+            head._wake(Wake.TIMER)  # if it is not asleep, its next sleep sees the end passed
+
+    def _promoted(self) -> None:
+        """Its head left: a timer that already fired is re-armed, so the new head re-checks
+        a lease end nobody has re-checked since."""
+        if self._timer is None and self.lease_end is not None:
+            self._arm(self.lease_end)
+
+    def _emptied(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class WaitQueue:
@@ -204,11 +269,14 @@ class WaitQueue:
         kind: str,
         shared: bool = False,
         carries: bool = False,
+        deadline: float | None = None,
     ) -> Waiter:
+        """A waiter for `token`, last in its channel's lot; `deadline` (monotonic) is the
+        caller's, for the whole acquisition."""
         lot = self._lots.get(channel)
         if lot is None:
             lot = self._lots[channel] = Lot(channel, shared, carries)
-        waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind))
+        waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind), deadline)
         lot._waiters[token] = waiter
         self._by_token[token] = waiter
         return waiter
@@ -220,12 +288,12 @@ class WaitQueue:
             return
         self._by_token.pop(waiter.token, None)
         self.undefer(waiter)
+        waiter._stop()
         if not lot._waiters:
+            lot._emptied()
             del self._lots[lot.channel]
         elif was_head:
-            new_head = lot.head()
-            if new_head is not None:
-                new_head._wake(Wake.RECHECK)  # re-arms its sleep with the lot's timer
+            lot._promoted()  # the lot's timer serves the new head: no wake
 
     def unpark(self, token: str, fence: int, after: float | None = None) -> bool:
         """Deliver a grant to the waiter holding `token` (`after`: a moment known to precede
@@ -268,7 +336,7 @@ class WaitQueue:
         """The waiters a release of `channel` about to be sent carries, in arrival order."""
         taken = list(self._deferred.pop(channel, {}).values())
         for waiter in taken:
-            waiter.carry = Carry.TAKEN
+            waiter._taken()
         return taken
 
     def undefer(self, waiter: Waiter) -> None:

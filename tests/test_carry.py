@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 import redis.asyncio
 import redis.exceptions
-from _probes import QueueProbe
+from _probes import Deferrals, QueueProbe
 
 from aiolocks import RedisMutex, _acquire
 from aiolocks._context import ClientContext, context_for
 from aiolocks._scripts import Script
-from aiolocks._waitqueue import Waiter, WaitQueue
 
 Hook = Callable[[Script, tuple[Any, ...]], None]
 
@@ -62,32 +61,6 @@ class Calls:
 
     def releases_of(self, mutex: RedisMutex) -> list[tuple[Any, ...]]:
         return [args for script, args in self.made if script is mutex._spec.release]
-
-
-class Deferrals:
-    """Counts the waiters of this process that began to wait to be carried."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        self._grew = asyncio.Event()
-        original = WaitQueue.defer
-
-        def defer(queue: WaitQueue, waiter: Waiter) -> bool:
-            deferred = original(queue, waiter)
-            if deferred:
-                self.count += 1
-                self._grew.set()
-            return deferred
-
-        monkeypatch.setattr(WaitQueue, "defer", defer)
-
-    async def wait(self, count: int, timeout: float = 10.0) -> None:
-        async def grown() -> None:
-            while self.count < count:
-                self._grew.clear()
-                await self._grew.wait()
-
-        await asyncio.wait_for(grown(), timeout)
 
 
 @pytest.fixture
