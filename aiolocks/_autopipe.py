@@ -13,10 +13,10 @@ next batch is written while the previous one's replies are still on their way. O
 connection also keeps the order: a release a cancelled acquirer sends to clean up can
 never reach the server before the acquire it follows, as it could over two connections.
 
-On a socket (RESP2, hiredis) the replies are parsed where the bytes arrive, in the
-transport's own callback (`_Replies`), and each caller is answered from there: no reader
-task, no timer per reply. Other connections (fakeredis, RESP3) are read by a task of the
-link's through redis-py, as before.
+On a socket (RESP2, or RESP3 with hiredis 3.2+) the replies are parsed where the bytes
+arrive, in the transport's own callback (`_Replies`), and each caller is answered from
+there: no reader task, no timer per reply. Other connections (fakeredis) are read by a task
+of the link's through redis-py, as before.
 """
 
 from __future__ import annotations
@@ -589,7 +589,8 @@ class _Replies(asyncio.Protocol):
 
 def _read_directly(link: _Link, pipeline: AutoPipeline) -> None:
     """Have `link`'s replies parsed where they arrive (`_Replies`), if its connection is a
-    RESP2 socket with nothing buffered and hiredis is there; else leave it to redis-py."""
+    socket with nothing buffered, and hiredis can parse its protocol (RESP2, or RESP3 with
+    pushes marked); else leave it to redis-py."""
     connection = link.connection
     writer = connection._writer if connection.is_connected else None
     transport = getattr(writer, "transport", None)
