@@ -393,7 +393,7 @@ async def release(
     wake_granted(context, spec, reply, 1, sent_at)
     for waiter in carried:
         if waiter.fence is None:
-            waiter.carried(sent_at)
+            waiter.still_queued(sent_at)  # queued by this release: it sleeps on, unwoken
     _telemetry.on_handoff(spec, (len(reply) - 1) // 3)  # a carried grant is one too
     held = int(reply[0]) == 1
     return None if unsure and not held else held

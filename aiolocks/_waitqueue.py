@@ -99,11 +99,6 @@ class Waiter:
         self._recheck = True
         self._wake(Wake.RECHECK)
 
-    def carried(self, sent_at: float) -> None:
-        """The release call that carried it (sent at `sent_at`) queued it on the server: it
-        sleeps on (no wake) until its grant, a re-check, the lot's timer or its deadline."""
-        self.still_queued(sent_at)
-
     def _taken(self) -> None:
         """A release call that carries it is about to be sent: its answer (a grant, or a
         re-check if the reply is lost) is what it waits for now, not the end of the wait to
