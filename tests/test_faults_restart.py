@@ -22,7 +22,7 @@ import redis.asyncio
 from _faultreport import record
 from _faults import close_client, leftovers
 from _probes import QueueProbe
-from _servers import ServerKind, ServerProcess, available_kinds
+from _servers import KINDS, ServerKind, ServerProcess
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
@@ -52,7 +52,7 @@ def _sides(client: redis.asyncio.Redis, kind: str, name: str) -> tuple[LeasedLoc
     return rw.write(), rw.read()
 
 
-@pytest.mark.parametrize("server_kind", available_kinds())
+@pytest.mark.parametrize("server_kind", KINDS)
 @pytest.mark.parametrize("kind", ["mutex", "semaphore", "rwlock"])
 async def test_restart_during_waits_tells_the_holder_and_frees_the_waiters(
     server_factory: Callable[..., ServerProcess], server_kind: ServerKind, kind: str

@@ -19,7 +19,7 @@ import trustme
 from _faultreport import record
 from _faults import close_client, snapshot
 from _probes import QueueProbe
-from _servers import ServerKind, ServerProcess, available_kinds, free_port
+from _servers import KINDS, ServerKind, ServerProcess, free_port
 
 import aiolocks._holding
 from aiolocks import (
@@ -101,7 +101,7 @@ async def _exercise(clients: list[redis.asyncio.Redis], name: str) -> None:
         assert await rws[0].write().locked()
 
 
-@pytest.mark.parametrize("server_kind", available_kinds())
+@pytest.mark.parametrize("server_kind", KINDS)
 @pytest.mark.parametrize("keyspace", [False, True], ids=["minimal", "with-keyspace"])
 async def test_a_least_privilege_acl_user_runs_every_primitive(
     server_factory: Callable[..., ServerProcess], server_kind: ServerKind, keyspace: bool
