@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     _HIREDIS = False
     _PUSH = ()
 
+from . import _adapter
 from ._scripts import Script
 
 __all__ = ["AutoPipeline", "Staged", "command"]
@@ -324,7 +325,7 @@ class AutoPipeline:
             # A call made after its engine was stopped (a clean-up run while the event loop
             # shuts down): a new link would outlive the loop, its socket left to the GC.
             raise redis.exceptions.ConnectionError("the aiolocks engine of this client was closed")
-        connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        connection = await _adapter.pooled_connection(self._pool)
         link = self._link = _Link(connection)
         if DIRECT_READS:
             _read_directly(link, self)
@@ -592,20 +593,15 @@ def _read_directly(link: _Link, pipeline: AutoPipeline) -> None:
     socket with nothing buffered, and hiredis can parse its protocol (RESP2, or RESP3 with
     pushes marked); else leave it to redis-py."""
     connection = link.connection
-    writer = connection._writer if connection.is_connected else None
-    transport = getattr(writer, "transport", None)
-    stream = connection._reader
+    transport = _adapter.socket_transport(connection)  # asyncio's, or uvloop's
     if (
         not _HIREDIS
         or str(getattr(connection, "protocol", 2)) not in _PROTOCOLS
-        or not isinstance(transport, asyncio.Transport)
-        or transport.is_closing()
-        or not isinstance(stream, asyncio.StreamReader)
-        or stream._buffer  # type: ignore[attr-defined]
-        or stream.at_eof()
+        or transport is None
+        or _adapter.unread(connection) is not False
     ):
         return
-    parse_error = getattr(connection._parser, "parse_error", None)
+    parse_error = _adapter.reply_error(connection)
     if parse_error is None:
         return
     options: dict[str, Any] = {
@@ -637,11 +633,9 @@ def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:
     """The stream to write on, when `connection` is open and its socket takes data now (no
     backlog): a batch then goes out with one synchronous write. redis-py's own
     `send_packed_command` would wrap every write in a task and a timer (`wait_for`)."""
-    writer = connection._writer if connection.is_connected else None
     # Not a socket's stream (fakeredis' connections): redis-py's own path, in the writer task.
-    transport = getattr(writer, "transport", None)
-    if not isinstance(transport, asyncio.WriteTransport) or transport.is_closing():
+    transport = _adapter.socket_transport(connection)  # asyncio's, or uvloop's
+    if transport is None or transport.get_write_buffer_size():
         return None
-    if transport.get_write_buffer_size():
-        return None
+    writer: asyncio.StreamWriter = _adapter.writer_of(connection)
     return writer

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
-from redis.client import NEVER_DECODE
 
-from . import _cancel
+from . import _adapter, _cancel
 from ._autopipe import AutoPipeline, Staged, command
 from ._clients import AnyRedis
 from ._coalesce import Coalescer
@@ -85,7 +84,7 @@ def _check_other_loops(
                 "redis-py binds a client's connections to one loop: make one client per "
                 "event loop (per thread that runs one)"
             )
-        if _holds_connections(client):
+        if _adapter.holds_connections(client):
             raise RuntimeError(
                 "this Redis client was used on an event loop that has ended, and still "
                 "holds connections opened on it (redis-py binds them to that loop): "
@@ -98,18 +97,6 @@ def _check_other_loops(
 def _describe(loop: asyncio.AbstractEventLoop) -> str:
     state = "running" if loop.is_running() else "not closed"
     return f"{type(loop).__name__} at {id(loop):#x}, {state}"
-
-
-def _holds_connections(client: AnyRedis) -> bool:
-    """Has the client open connections (redis-py keeps no public list: its pool's lists, and
-    a `single_connection_client`'s own; a Cluster client's are per node, not looked at)?"""
-    pool = getattr(client, "connection_pool", None)
-    connections = [
-        *getattr(pool, "_available_connections", ()),
-        *getattr(pool, "_in_use_connections", ()),
-        getattr(client, "connection", None),
-    ]
-    return any(getattr(connection, "is_connected", False) for connection in connections)
 
 
 class ClientContext:
@@ -144,7 +131,7 @@ class ClientContext:
         # uses race (a command then fails on a connection the initialisation replaced):
         # the engine initialises it once, alone, before its first command.
         self._initialised: asyncio.Future[None] | None = None
-        if not isinstance(client, RedisCluster) or getattr(client, "_initialize", True) is False:
+        if not isinstance(client, RedisCluster) or not _adapter.needs_initialise(client):
             self._initialised = asyncio.get_running_loop().create_future()
             self._initialised.set_result(None)
         self.closed = False
@@ -226,7 +213,7 @@ class ClientContext:
         """Send one plain command within the in-flight bound; bulk replies stay bytes."""
         await self._ready()
         async with self._slots:
-            return await self._execute(*args, **{NEVER_DECODE: True})
+            return await self._execute(*args, **{_adapter.NEVER_DECODE: True})
 
     async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
@@ -234,7 +221,7 @@ class ClientContext:
         async with self._slots:
             pipe = self.client.pipeline(transaction=False)
             for args in commands:
-                pipe.execute_command(*args, **{NEVER_DECODE: True})
+                pipe.execute_command(*args, **{_adapter.NEVER_DECODE: True})
             results: list[Any] = await pipe.execute()
         return results
 

@@ -23,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from . import _cancel
+from . import _adapter, _cancel
 from ._clients import AnyRedis
 from ._leases import cancelling
 from ._scripts import Script, load
@@ -296,7 +296,7 @@ class Notifier:
             if link.pubsub is None:
                 link.pubsub = link.client.pubsub()
             if self._sharded:
-                await link.pubsub.ssubscribe(channel.wake)
+                await _adapter.ssubscribe(link.pubsub, channel.wake)
             else:
                 await link.pubsub.subscribe(channel.wake)
             if channel.keyspace is not None:  # keyspace events are never sharded
@@ -320,7 +320,7 @@ class Notifier:
                 with contextlib.suppress(redis.exceptions.RedisError, OSError):
                     link.expect_unsubscribed(channel.wake)
                     if self._sharded:
-                        await link.pubsub.sunsubscribe(channel.wake)
+                        await _adapter.sunsubscribe(link.pubsub, channel.wake)
                     else:
                         await link.pubsub.unsubscribe(channel.wake)
                     if channel.keyspace is not None:

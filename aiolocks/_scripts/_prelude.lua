@@ -10,6 +10,18 @@
 -- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 
+-- Fail the script with `message` as its error reply. From Redis 7.0 (version number
+-- 0x070000 = 458752; every Valkey) a raised {err = ...} table is the reply as it stands
+-- (WRONGTYPE code included); before, the server cannot format a raised table (the reply
+-- would lose the text), so a string is raised, which it prefixes with the script's name.
+local TABLE_ERRORS = (redis.REDIS_VERSION_NUM or 0) >= 458752
+local function fail(message)
+  if TABLE_ERRORS then
+    error({err = message})
+  end
+  error(message)
+end
+
 -- Refuse, before any write, keys that hold something else than the script expects (another
 -- program's data under aiolocks' names): such a call fails and changes nothing. `types`
 -- gives, per KEYS index, 'string', 'list', 'zset', 'hash', or 'counter' (an integer string).
@@ -22,10 +34,10 @@ local function check_keys(types)
         base = 'string'
       end
       if got ~= base then
-        error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a ' .. got .. ', not a ' .. base})
+        fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a ' .. got .. ', not a ' .. base)
       end
       if want == 'counter' and not tonumber(redis.call('GET', KEYS[i])) then
-        error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number'})
+        fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number')
       end
     end
   end
@@ -54,10 +66,10 @@ local function read_keys(types)
     local reply = read_as(want, KEYS[i])
     if type(reply) == 'table' and reply['err'] then
       check_keys(types)  -- names the key
-      return error(reply)
+      return fail(reply['err'])
     end
     if want == 'counter' and reply and not tonumber(reply) then
-      error({err = 'WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number'})
+      fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number')
     end
     replies[i] = reply
   end

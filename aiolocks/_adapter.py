@@ -1,0 +1,170 @@
+"""Everything aiolocks needs from a client library beyond its documented API, in one place.
+
+The engine reads replies where they arrive (`_autopipe`), takes a connection of a pool for
+its own use, subscribes to sharded channels, and looks whether a client still holds
+connections. redis-py documents none of that, and it has changed across the release lines
+aiolocks supports (redis-py 5.0 to 8.x, and valkey-py, its fork): the names below are the
+only ones in the package that touch a client library's private attributes, and
+tests/test_adapter.py checks each on every supported release (`nox -s compat`).
+
+What differs by release, and how it is met here:
+- `ConnectionPool.get_connection()` takes a command name before redis-py 5.3 (required)
+  and warns when given one from 5.3 on: `pooled_connection` passes it only where needed.
+- the asyncio `PubSub.ssubscribe()` exists from redis-py 8.0 (valkey-py 6.1): before,
+  `ssubscribe` sends SSUBSCRIBE itself and re-sends it when the connection re-connects,
+  as the newer clients do for their own sharded channels.
+- uvloop's transports are no `asyncio.Transport` subclasses: `socket_transport` asks for
+  what the engine uses of a transport, not for a class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import weakref
+from typing import Any
+
+__all__ = [
+    "NEVER_DECODE",
+    "holds_connections",
+    "needs_initialise",
+    "pooled_connection",
+    "reply_error",
+    "socket_transport",
+    "ssubscribe",
+    "sunsubscribe",
+    "unread",
+    "writer_of",
+]
+
+# The execute_command option that keeps bulk replies as bytes on a client made with
+# decode_responses=True (redis.client.NEVER_DECODE; the same word in valkey-py).
+NEVER_DECODE = "NEVER_DECODE"
+
+# What the engine uses of a socket's transport: writing, its write buffer, and swapping its
+# protocol (direct reads). asyncio's and uvloop's transports both have them.
+_TRANSPORT_METHODS = (
+    "write",
+    "writelines",
+    "get_write_buffer_size",
+    "is_closing",
+    "get_protocol",
+    "set_protocol",
+)
+
+# Pool classes whose get_connection() requires a command name (redis-py < 5.3).
+_NAMED: dict[type, bool] = {}
+
+
+async def pooled_connection(pool: Any) -> Any:
+    """A connection of `pool`, for the caller's own use until it is released to the pool."""
+    kind = type(pool)
+    named = _NAMED.get(kind)
+    if named is None:
+        parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+        named = _NAMED[kind] = parameter is not None and parameter.default is parameter.empty
+    if named:
+        return await pool.get_connection("EVALSHA")
+    return await pool.get_connection()
+
+
+def writer_of(connection: Any) -> Any:
+    """The stream writer of an open connection (None if closed, or no stream: fakeredis)."""
+    return connection._writer if connection.is_connected else None
+
+
+def socket_transport(connection: Any) -> Any:
+    """The transport of `connection`'s socket when it is open and not closing, else None
+    (also for connections that are not on a socket, such as fakeredis')."""
+    transport = getattr(writer_of(connection), "transport", None)
+    if transport is None or not all(hasattr(transport, name) for name in _TRANSPORT_METHODS):
+        return None
+    if transport.is_closing():
+        return None
+    return transport
+
+
+def unread(connection: Any) -> bool | None:
+    """Whether bytes received on `connection` wait in its stream unread (or it has seen the
+    end): True or False, or None when its reader is not an asyncio stream."""
+    stream = connection._reader
+    if not isinstance(stream, asyncio.StreamReader):
+        return None
+    return bool(stream._buffer) or stream.at_eof()  # type: ignore[attr-defined]
+
+
+def reply_error(connection: Any) -> Any:
+    """The function the connection's parser makes an error reply's exception with (NOSCRIPT
+    as NoScriptError, and so on), or None if its parser has none."""
+    return getattr(connection._parser, "parse_error", None)
+
+
+def holds_connections(client: Any) -> bool:
+    """Has the client open connections (the pool's, and a `single_connection_client`'s own;
+    a Cluster client's are per node and not looked at)? No public list exists."""
+    pool = getattr(client, "connection_pool", None)
+    connections = [
+        *getattr(pool, "_available_connections", ()),
+        *getattr(pool, "_in_use_connections", ()),
+        getattr(client, "connection", None),
+    ]
+    return any(getattr(connection, "is_connected", False) for connection in connections)
+
+
+def needs_initialise(cluster: Any) -> bool:
+    """Whether a Cluster client has not initialised itself yet (its first command would)."""
+    return getattr(cluster, "_initialize", True) is not False
+
+
+class _Sharded:
+    """The sharded channels of one PubSub whose client has no `ssubscribe` (redis-py < 8):
+    subscribed with SSUBSCRIBE sent by hand, and sent again whenever its connection
+    re-connects (redis-py re-subscribes only the channels it knows of)."""
+
+    __slots__ = ("__weakref__", "channels", "connection")
+
+    def __init__(self) -> None:
+        self.channels: set[bytes] = set()
+        self.connection: Any = None
+
+    def watch(self, connection: Any) -> None:
+        if connection is not self.connection:
+            if self.connection is not None:
+                self.connection.deregister_connect_callback(self.on_connect)
+            self.connection = connection
+            connection.register_connect_callback(self.on_connect)  # kept as a weak method
+
+    async def on_connect(self, connection: Any) -> None:
+        if self.channels:
+            await connection.send_command("SSUBSCRIBE", *self.channels, check_health=False)
+
+
+_SHARDED: weakref.WeakKeyDictionary[Any, _Sharded] = weakref.WeakKeyDictionary()
+
+
+def _native(pubsub: Any) -> bool:
+    return inspect.iscoroutinefunction(getattr(pubsub, "ssubscribe", None))
+
+
+async def ssubscribe(pubsub: Any, channel: bytes) -> None:
+    """SSUBSCRIBE `channel` on `pubsub`, and again after each re-connect."""
+    if _native(pubsub):
+        await pubsub.ssubscribe(channel)
+        return
+    sharded = _SHARDED.get(pubsub)
+    if sharded is None:
+        sharded = _SHARDED[pubsub] = _Sharded()
+    await pubsub.execute_command("SSUBSCRIBE", channel)
+    sharded.channels.add(channel)
+    sharded.watch(pubsub.connection)
+
+
+async def sunsubscribe(pubsub: Any, channel: bytes) -> None:
+    """SUNSUBSCRIBE `channel` on `pubsub` (no longer re-subscribed on re-connect)."""
+    if _native(pubsub):
+        await pubsub.sunsubscribe(channel)
+        return
+    sharded = _SHARDED.get(pubsub)
+    if sharded is not None:
+        sharded.channels.discard(channel)
+    await pubsub.execute_command("SUNSUBSCRIBE", channel)
