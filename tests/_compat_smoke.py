@@ -33,6 +33,7 @@ from aiolocks import (
     RedisReadWriteLock,
     RedisRegistry,
     RedisSemaphore,
+    ServerUnavailable,
 )
 from aiolocks._context import context_for
 from aiolocks.testing import expire_lease
@@ -155,8 +156,27 @@ async def _registry(a: Any, b: Any, tag: str) -> int:
     return 1
 
 
-def _cli(url: str) -> int:
-    for command in (["inspect", "smoke-one-mutex", "--kind", "mutex"], ["list"]):
+async def _error_text(client: Any, cell: str) -> int:
+    """A key of another type under the lock's name: the error names the key and the type
+    (on every server version; before Redis 7.0 the server cannot format a Lua error table)."""
+    prefix = f"smokewrong-{cell}"  # not the CLI's prefix: its listing must not meet it
+    key = f"{prefix}:mutex:{{x}}:owner"
+    try:
+        await client.rpush(key, "not a lock")
+        try:
+            await RedisMutex(client, "x", prefix=prefix).acquire(blocking=False)
+        except ServerUnavailable as exc:
+            assert f"{key} holds a list, not a string" in str(exc), str(exc)
+        else:
+            raise AssertionError("a wrong-type key was taken for a lock")
+        await client.delete(key)
+    finally:
+        await client.aclose()
+    return 1
+
+
+def _cli(url: str, cell: str) -> int:
+    for command in (["inspect", f"smoke-{cell}-one-mutex", "--kind", "mutex"], ["list"]):
         done = subprocess.run(
             [sys.executable, "-m", "aiolocks", *command, "--url", url, "--json"],
             capture_output=True, text=True, timeout=60,
@@ -189,7 +209,9 @@ async def _cell(args: argparse.Namespace) -> dict[str, Any]:
     targets: list[tuple[str, Callable[[], Any]]] = [("one", lambda: single(args.url))]
     if args.cluster:
         targets.append(("cluster", lambda: cluster(args.cluster)))
-    for tag, make in targets:
+    checks += await _error_text(single(args.url), args.cell)
+    for where, make in targets:
+        tag = f"{args.cell}-{where}"
         async with _clients(make) as (a, b):
             for kind in KINDS:
                 checks += await _primitive(kind, a, b, tag)
@@ -199,7 +221,7 @@ async def _cell(args: argparse.Namespace) -> dict[str, Any]:
                 direct.append(pipe._link.parser is not None)
     if args.direct != "any":
         assert direct and all(direct) == (args.direct == "yes"), f"direct reads: {direct}"
-    checks += await asyncio.to_thread(_cli, args.url)
+    checks += await asyncio.to_thread(_cli, args.url, args.cell)
     return {"checks": checks, "direct": direct}
 
 
@@ -210,6 +232,8 @@ def main() -> None:
     parser.add_argument("--client", choices=("redis", "valkey"), default="redis")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument("--direct", choices=("yes", "no", "any"), default="any")
+    # Names this cell's keys: cells may share servers.
+    parser.add_argument("--cell", default="cell")
     args = parser.parse_args()
     run: Callable[[Awaitable[dict[str, Any]]], dict[str, Any]] = asyncio.run  # type: ignore[assignment]
     if args.loop == "uvloop":
