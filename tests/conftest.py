@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import sys
+import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,22 @@ from _workers import Spawn, spawner
 # Our own suite uses aiolocks.testing the way users do (registered here, before any test
 # module imports it, so pytest can rewrite its asserts); pytester runs a user's suite.
 pytest_plugins = ["aiolocks.testing", "pytester"]
+
+# AIOLOCKS_TEST_LOOP=uvloop runs the session's tests on uvloop's event loop (pytest-asyncio
+# makes each test's loop with the current policy): tests/test_event_loops.py runs the
+# engine's tests so, in a pytest process of their own.
+TEST_LOOP = os.environ.get("AIOLOCKS_TEST_LOOP", "asyncio")
+if TEST_LOOP == "uvloop":
+    import uvloop
+
+    with warnings.catch_warnings():  # the policy API is deprecated from Python 3.14
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def pytest_report_header() -> str:
+    return f"aiolocks tests event loop: {TEST_LOOP}"
+
 
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
 T = TypeVar("T")

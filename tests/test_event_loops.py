@@ -79,3 +79,32 @@ async def test_a_client_left_open_by_an_ended_loop_is_refused_one_closed_is_not(
     info = await RedisMutex(r, "job").inspect()  # the refused run sent nothing
     assert (info.fence, info.owner) == (int(second), None)
     assert await r.get("runs") == b"2"
+
+
+# The engine's tests that matter on another loop: the auto-pipeline (its direct reads swap
+# the transport's protocol), the mutex (waiting, hand-off, timeouts), wakes, cancellation
+# at every await, and lease renewal and loss. `nox -s compat` runs more of them.
+UVLOOP_TESTS = [
+    "tests/test_autopipe.py",
+    "tests/test_mutex.py",
+    "tests/test_waitqueue_wakes.py",
+    "tests/test_cancellation.py",
+    "tests/test_keeper.py",
+]
+
+
+def test_the_engine_tests_pass_on_uvloop() -> None:
+    """Those tests again, in a pytest process whose loops are uvloop's (what `uvicorn
+    [standard]` runs): the conftest sets uvloop's policy when AIOLOCKS_TEST_LOOP=uvloop."""
+    pytest.importorskip("uvloop", reason="uvloop is not installed")
+    env = {**os.environ, "AIOLOCKS_TEST_LOOP": "uvloop"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow",
+         "-rfEs", *UVLOOP_TESTS],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "aiolocks tests event loop: uvloop" in done.stdout  # the conftest's header
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary, summary
