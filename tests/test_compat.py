@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from _cluster import Cluster
-from _servers import ServerProcess, binary_path
+from _servers import ServerKind, ServerProcess, binary_path
 from conftest import ClusterPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ class Matrix:
 
     def _start_all(self) -> dict[str, Run]:
         redis_binary = binary_path("redis")
-        kind = "redis" if redis_binary else "valkey"
+        kind: ServerKind = "redis" if redis_binary else "valkey"
         binary = redis_binary or binary_path("valkey")
         assert binary is not None
         server = ServerProcess(binary, kind=kind, notify=True).start()
@@ -144,10 +144,11 @@ class Matrix:
             except pytest.skip.Exception as exc:
                 runs[name] = Run(skipped=str(exc))
                 continue
-            if cell.floor and floor is None:
+            target = floor if cell.floor else server
+            if target is None:
                 runs[name] = Run(skipped=floor_skip)
                 continue
-            url = (floor if cell.floor else server).url
+            url = target.url
             args = [sys.executable, str(SMOKE), url, "--cell", name, "--loop", cell.loop]
             args += ["--direct", cell.direct]
             if cell.cluster and cluster is not None:
