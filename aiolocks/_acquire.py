@@ -30,10 +30,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import redis.exceptions
-
 from . import _telemetry
 from ._context import ClientContext
+from ._errors import (
+    AUTHENTICATION_ERRORS,
+    CLUSTERDOWN_ERRORS,
+    CONNECTION_ERRORS,
+    INVALID_RESPONSE_ERRORS,
+    NOPERMISSION_ERRORS,
+    READONLY_ERRORS,
+    TIMEOUT_ERRORS,
+    TRYAGAIN_ERRORS,
+)
 from ._leases import cancelling, validity
 from ._scripts import Script
 from ._waitqueue import Carry, Waiter, Wake
@@ -72,15 +80,16 @@ CARRY_WAIT = 0.002
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 # What a server that restarts or fails over answers for a while: a queued waiter waits on.
 _PASSING_OUTAGE = (
-    redis.exceptions.ConnectionError,  # BusyLoadingError too: a restart loading its data
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,  # a Cluster node back but not yet serving its slots
-    redis.exceptions.TryAgainError,  # a slot in the middle of a move
-    redis.exceptions.ReadOnlyError,  # a demoted primary, before the client finds the new one
+    *CONNECTION_ERRORS,  # BusyLoadingError too: a restart loading its data
+    *TIMEOUT_ERRORS,
+    *CLUSTERDOWN_ERRORS,  # a Cluster node back but not yet serving its slots
+    *TRYAGAIN_ERRORS,  # a slot in the middle of a move
+    *READONLY_ERRORS,  # a demoted primary, before the client finds the new one
 )
 
 # A call cut off by these may or may not have run on the server.
-_LOST_REPLY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_LOST_REPLY = (*CONNECTION_ERRORS, *TIMEOUT_ERRORS)
+_UNANSWERED: tuple[type[Exception], ...] = (*_LOST_REPLY, *INVALID_RESPONSE_ERRORS, OSError)
 
 log = logging.getLogger("aiolocks")
 
@@ -222,7 +231,7 @@ async def acquire(
                     context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
                     deadline,
                 )
-            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+            except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
                 dirty = answered  # refused before it ran: nothing changed by this call
                 raise
             except _PASSING_OUTAGE as exc:
@@ -287,7 +296,7 @@ async def acquire(
     except TimeoutError:
         # `_bounded` ran out of time while Redis was slow: same as the deadline.
         return Miss(unanswered=True, wait_ms=miss.wait_ms)
-    except (*_LOST_REPLY, redis.exceptions.InvalidResponse, OSError):
+    except _UNANSWERED:
         unreachable = True  # the caller learns it now; the clean-up can only wait for Redis
         raise
     finally:
@@ -532,9 +541,7 @@ async def _withdraw(
         except asyncio.CancelledError:
             raise  # the loop is shutting down
         except Exception as exc:
-            outage = isinstance(exc, _PASSING_OUTAGE) and not isinstance(
-                exc, redis.exceptions.AuthenticationError
-            )
+            outage = isinstance(exc, _PASSING_OUTAGE) and not isinstance(exc, AUTHENTICATION_ERRORS)
             if not outage or time.monotonic() + delay >= give_up:
                 log.warning(
                     "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "

@@ -20,6 +20,7 @@ What differs by release, and how it is met here:
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import weakref
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "NEVER_DECODE",
     "holds_connections",
     "needs_initialise",
+    "node_client",
     "pooled_connection",
     "reply_error",
     "socket_transport",
@@ -109,6 +111,22 @@ def holds_connections(client: Any) -> bool:
         getattr(client, "connection", None),
     ]
     return any(getattr(connection, "is_connected", False) for connection in connections)
+
+
+def node_client(node: Any) -> Any:
+    """A client of one Cluster node, of the library the Cluster client is of (redis-py or
+    valkey-py), made like the cluster's own connections to it (for that node's pub/sub)."""
+    connection_class = node.connection_class
+    library = connection_class.__module__.partition(".")[0]  # "redis" or "valkey"
+    module = importlib.import_module(f"{library}.asyncio")
+    pool = module.ConnectionPool(
+        connection_class=connection_class, max_connections=2, **node.connection_kwargs
+    )
+    return getattr(module, _SINGLE_CLIENT[library])(connection_pool=pool)
+
+
+# The single-server client class of each library, by the library's package name.
+_SINGLE_CLIENT = {"redis": "Redis", "valkey": "Valkey"}
 
 
 def needs_initialise(cluster: Any) -> bool:

@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     _PUSH = ()
 
 from . import _adapter
+from ._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, RESPONSE_ERRORS, TIMEOUT_ERRORS
 from ._scripts import Script
 
 __all__ = ["AutoPipeline", "Staged", "command"]
@@ -57,7 +58,7 @@ DIRECT_READS = True
 
 # What a lost connection looks like; every engine script is idempotent, so a call cut off
 # by one may be sent again (once, if the caller allows).
-_LINK_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_LINK_ERRORS = (*CONNECTION_ERRORS, *TIMEOUT_ERRORS)
 
 # A script call as the engine sends it: (script, keys, args).
 Staged = tuple[Script, tuple[bytes, ...], tuple[Any, ...]]
@@ -359,7 +360,7 @@ class AutoPipeline:
                     break
                 if isinstance(reply, _PUSH):
                     continue  # RESP3 out-of-band news (tracking, maintenance): no call's
-                if isinstance(reply, redis.exceptions.ConnectionError):
+                if isinstance(reply, CONNECTION_ERRORS):
                     raise reply  # e.g. LOADING: a server not ready
                 if not link.pending:
                     raise redis.exceptions.InvalidResponse("a reply no call was waiting for")
@@ -416,7 +417,7 @@ class AutoPipeline:
                             raise link.broken
                         try:
                             result = await link.connection.read_response()
-                        except redis.exceptions.ResponseError as exc:
+                        except RESPONSE_ERRORS as exc:
                             result = exc
                         answered += 1
                         self._settle(call, result, again)
@@ -500,7 +501,7 @@ class AutoPipeline:
             return  # the caller left (cancelled)
         if isinstance(result, asyncio.CancelledError):
             call.future.cancel()
-        elif isinstance(result, redis.exceptions.NoScriptError) and not call.by_source:
+        elif isinstance(result, NOSCRIPT_ERRORS) and not call.by_source:
             call.by_source = True
             again.append(call)
         elif isinstance(result, _LINK_ERRORS) and call.retry:

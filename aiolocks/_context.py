@@ -15,14 +15,11 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio
-import redis.exceptions
-from redis.asyncio.cluster import RedisCluster
-
 from . import _adapter, _cancel
 from ._autopipe import AutoPipeline, Staged, command
-from ._clients import AnyRedis
+from ._clients import AnyRedis, is_cluster
 from ._coalesce import Coalescer
+from ._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
 from ._leases import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
@@ -106,7 +103,7 @@ class ClientContext:
         self.client = client
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
         self._execute: Callable[..., Awaitable[Any]] = client.execute_command
-        if isinstance(client, RedisCluster):
+        if is_cluster(client):
             self._execute = self._cluster_execute
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(client, self.waitqueue, self.run)
@@ -115,8 +112,8 @@ class ClientContext:
         # Not on Cluster: redis-py routes each command to its slot's node and follows
         # MOVED / ASK there, which a connection of our own would have to redo.
         self.autopipe: AutoPipeline | None = None
-        if not isinstance(client, RedisCluster) and autopipelining():
-            self.autopipe = AutoPipeline(client.connection_pool, self._count_sent)
+        if not is_cluster(client) and autopipelining():
+            self.autopipe = AutoPipeline(client.connection_pool, self._count_sent)  # type: ignore[union-attr,arg-type]
         # On Cluster each node has its own pool; the bound then applies per client. The
         # pool also serves the pub/sub connection and the auto-pipeline's one.
         pool = getattr(client, "connection_pool", None)
@@ -131,7 +128,7 @@ class ClientContext:
         # uses race (a command then fails on a connection the initialisation replaced):
         # the engine initialises it once, alone, before its first command.
         self._initialised: asyncio.Future[None] | None = None
-        if not isinstance(client, RedisCluster) or not _adapter.needs_initialise(client):
+        if not is_cluster(client) or not _adapter.needs_initialise(client):
             self._initialised = asyncio.get_running_loop().create_future()
             self._initialised.set_result(None)
         self.closed = False
@@ -166,7 +163,7 @@ class ClientContext:
             async with self._slots:
                 try:
                     reply = await self._evalsha(script, keys, args)
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                except (*CONNECTION_ERRORS, *TIMEOUT_ERRORS):
                     if not retry:
                         raise
                     reply = await self._evalsha(script, keys, args)
@@ -180,7 +177,7 @@ class ClientContext:
         self.commands_sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
-        except redis.exceptions.NoScriptError:
+        except NOSCRIPT_ERRORS:
             self.commands_sent += 1
             return await self._execute(*command(script, keys, args, by_source=True))
 
@@ -202,7 +199,7 @@ class ClientContext:
                 pipe.execute_command("WAIT", replicas, timeout_ms)
                 self.commands_sent += 2
                 reply, acked = await pipe.execute(raise_on_error=False)
-            if not isinstance(reply, redis.exceptions.NoScriptError):
+            if not isinstance(reply, NOSCRIPT_ERRORS):
                 break
         for result in (reply, acked):
             if isinstance(result, Exception):
@@ -233,9 +230,7 @@ class ClientContext:
         before = _cancel.pending()
         results = await self._send(calls, by_source=False)
         missing = [
-            index
-            for index, result in enumerate(results)
-            if isinstance(result, redis.exceptions.NoScriptError)
+            index for index, result in enumerate(results) if isinstance(result, NOSCRIPT_ERRORS)
         ]
         if missing:
             retried = await self._send([calls[index] for index in missing], by_source=True)
@@ -282,7 +277,7 @@ class ClientContext:
         await asyncio.shield(initialised)
 
     async def _initialise(self) -> None:
-        assert isinstance(self.client, RedisCluster)
+        assert is_cluster(self.client)
         with contextlib.suppress(AttributeError):  # no such step in this redis-py
             await self.client.initialize()
 

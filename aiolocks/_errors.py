@@ -1,4 +1,8 @@
-"""The aiolocks exception tree, and the one boundary where redis-py errors are translated.
+"""The aiolocks exception tree, and the one boundary where the client library's errors are
+translated: redis-py's, and valkey-py's (a fork of it, whose exception classes have the
+same names but are not redis-py's). The engine catches a client error by the tuples below,
+which hold both libraries' classes (valkey-py's when it is installed); `map_redis_errors`
+turns either into an aiolocks error.
 
 Every exception carries the primitive's name (and the token where it helps) and
 builds its own message, so callers never format one by hand.
@@ -8,8 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis.exceptions
+
+_valkey_exceptions: Any
+try:
+    import valkey.exceptions as _valkey_exceptions
+except ImportError:  # valkey-py is optional (the `valkey` extra)
+    _valkey_exceptions = None
 
 __all__ = [
     "AccessDenied",
@@ -23,6 +34,34 @@ __all__ = [
     "ServerUnavailable",
     "map_redis_errors",
 ]
+
+
+def _either(name: str, valkey_name: str | None = None) -> tuple[type[Exception], ...]:
+    """redis-py's exception class `name`, and valkey-py's of that name if installed."""
+    ours: type[Exception] = getattr(redis.exceptions, name)
+    theirs = getattr(_valkey_exceptions, valkey_name or name, None)
+    return (ours,) if theirs is None else (ours, theirs)
+
+
+# Either library's errors, by redis-py's class names.
+REDIS_ERRORS = _either("RedisError", "ValkeyError")
+CONNECTION_ERRORS = _either("ConnectionError")  # BusyLoadingError is one
+TIMEOUT_ERRORS = _either("TimeoutError")
+RESPONSE_ERRORS = _either("ResponseError")
+NOSCRIPT_ERRORS = _either("NoScriptError")
+INVALID_RESPONSE_ERRORS = _either("InvalidResponse")
+AUTHENTICATION_ERRORS = _either("AuthenticationError")
+NOPERMISSION_ERRORS = _either("NoPermissionError")
+CLUSTERDOWN_ERRORS = _either("ClusterDownError")
+TRYAGAIN_ERRORS = _either("TryAgainError")
+READONLY_ERRORS = _either("ReadOnlyError")
+MOVED_ERRORS = _either("MovedError")
+_UNREACHABLE: tuple[type[Exception], ...] = (
+    TimeoutError,
+    *CONNECTION_ERRORS,
+    *TIMEOUT_ERRORS,
+    OSError,
+)
 
 
 class LockError(Exception):
@@ -75,9 +114,9 @@ class AccessDenied(LockError):
     password, an ACL `NOPERM`): a configuration error, not worth retrying as it is."""
 
 
-def _access_cause(exc: redis.exceptions.RedisError) -> str:
+def _access_cause(exc: Exception) -> str:
     text = str(exc)
-    if isinstance(exc, redis.exceptions.NoPermissionError):
+    if isinstance(exc, NOPERMISSION_ERRORS):
         return f"the user lacks an ACL permission (NOPERM {text})"
     lowered = text.lower()
     if getattr(exc, "status_code", None) == "NOAUTH" or "authentication required" in lowered:
@@ -89,23 +128,18 @@ def _access_cause(exc: redis.exceptions.RedisError) -> str:
 
 @contextmanager
 def map_redis_errors(name: str) -> Iterator[None]:
-    """Translate redis-py's errors: refused credentials or permissions into `AccessDenied`,
-    connection and timeout errors (and a reply that is not Redis protocol) into
-    `ServerUnavailable`."""
+    """Translate redis-py's (and valkey-py's) errors: refused credentials or permissions
+    into `AccessDenied`, connection and timeout errors (and a reply that is not Redis
+    protocol) into `ServerUnavailable`."""
     try:
         yield
-    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+    except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS) as exc:
         raise AccessDenied(name, f"Redis refused access: {_access_cause(exc)}") from exc
-    except redis.exceptions.InvalidResponse as exc:
+    except INVALID_RESPONSE_ERRORS as exc:
         raise ServerUnavailable(
             name, f"Redis unreachable: the endpoint did not answer as Redis does ({exc})"
         ) from exc
-    except (
-        TimeoutError,
-        redis.exceptions.ConnectionError,
-        redis.exceptions.TimeoutError,
-        OSError,
-    ) as exc:
+    except _UNREACHABLE as exc:
         raise ServerUnavailable(name, f"Redis unreachable: {exc}") from exc
-    except redis.exceptions.ResponseError as exc:
+    except RESPONSE_ERRORS as exc:
         raise ServerUnavailable(name, f"Redis refused the call: {exc}") from exc

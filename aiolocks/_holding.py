@@ -21,10 +21,9 @@ from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar
 
 import anyio
-from redis.asyncio.cluster import RedisCluster
 
 from . import _acquire, _telemetry
-from ._clients import AnyRedis, ensure_async_client
+from ._clients import AnyRedis, ensure_async_client, is_cluster
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
 from ._errors import (
@@ -89,7 +88,7 @@ def _validate_replicas(replicas: object, client: AnyRedis) -> int:
         raise TypeError(f"replicas must be an int, not {type(replicas).__name__}")
     if replicas < 0:
         raise ValueError(f"replicas must be >= 0, got {replicas!r}")
-    if replicas and isinstance(client, RedisCluster):
+    if replicas and is_cluster(client):
         # WAIT must follow the grant on the same connection, to the same node: a Cluster
         # pipeline sends a keyless WAIT to any node.
         raise ValueError("replicas= is not supported with a RedisCluster client")

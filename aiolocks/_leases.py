@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
-from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from . import _telemetry
+from ._clients import is_cluster
+from ._errors import REDIS_ERRORS
 from ._scripts import Script, load, load_batch
 from ._waitqueue import Waiter
 
@@ -190,7 +191,7 @@ class LeaseKeeper:
 
     def __init__(self, context: ClientContext) -> None:
         self._context = context
-        self._cluster = isinstance(context.client, RedisCluster)
+        self._cluster = is_cluster(context.client)
         self._leases: set[Lease] = set()
         self._groups: dict[bytes, _HeartbeatGroup] = {}
         # (when it next needs the server, tie-breaker, item). A lease's `queued` is the due
@@ -591,7 +592,7 @@ class LeaseKeeper:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, redis.exceptions.RedisError):
+            with contextlib.suppress(asyncio.CancelledError, *REDIS_ERRORS):
                 await task
         self._task = None
 

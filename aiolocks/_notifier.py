@@ -19,12 +19,12 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from . import _adapter, _cancel
-from ._clients import AnyRedis
+from ._clients import AnyRedis, is_cluster
+from ._errors import REDIS_ERRORS, RESPONSE_ERRORS
 from ._leases import cancelling
 from ._scripts import Script, load
 from ._waitqueue import WaitQueue
@@ -41,6 +41,9 @@ _LINGER = 30.0
 _CONFIRM_BOUND = 1.0
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 _PUBSUB_MODE = load("pubsub_mode")
+
+# A client call that failed: the library's errors, and the socket's.
+_LINK_DOWN: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
 
 RunScript = Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]
 
@@ -122,7 +125,7 @@ class Notifier:
         self._client = client
         self._waitqueue = waitqueue
         self._run = run
-        self._cluster = isinstance(client, RedisCluster)
+        self._cluster = is_cluster(client)
         self._links: dict[str, _Link] = {}
         self._channels: dict[bytes, _Channel] = {}
         self._by_keyspace: dict[bytes, bytes] = {}  # keyspace channel -> wake channel
@@ -191,7 +194,7 @@ class Notifier:
             if channel is None:
                 try:
                     link = self._link_for(wake)
-                except redis.exceptions.RedisError as exc:  # no node known for the slot
+                except REDIS_ERRORS as exc:  # no node known for the slot
                     log.debug("aiolocks: no pub/sub link for %r: %r", wake, exc)
                     return  # the waiter still wakes on its timer
                 channel = self._channels[wake] = _Channel(wake, keyspace, link)
@@ -206,7 +209,7 @@ class Notifier:
                 channel.confirmed = asyncio.get_running_loop().create_future()
                 try:
                     await self._subscribe(channel)
-                except (redis.exceptions.RedisError, OSError) as exc:
+                except _LINK_DOWN as exc:
                     log.debug("aiolocks: subscribe to %r failed: %r", wake, exc)
                     channel.confirmed = None
                     return
@@ -257,7 +260,7 @@ class Notifier:
         link = self._links.get(name)
         if link is None:
             if client is None:
-                client = _node_client(node)
+                client = _adapter.node_client(node)
             link = self._links[name] = _Link(name, client)
             link.owns_client = self._cluster
         return link
@@ -269,7 +272,7 @@ class Notifier:
         asked = self._facts
         try:
             facts = await asyncio.shield(asked)
-        except (redis.exceptions.RedisError, OSError):
+        except _LINK_DOWN:
             if self._facts is asked:
                 self._facts = None  # ask again next time
             raise
@@ -281,7 +284,7 @@ class Notifier:
         sharded = bool(await self._run(_PUBSUB_MODE, (), ()))
         try:
             reply = await self._client.config_get("notify-keyspace-events")
-        except redis.exceptions.ResponseError:
+        except RESPONSE_ERRORS:
             # CONFIG denied (a least-privilege ACL user, whose keyspace channels would be
             # denied too) or renamed away: treat notifications as off; waiters still wake on
             # grant messages and on their timers.
@@ -317,7 +320,7 @@ class Notifier:
             if again is not None and again.link is link:
                 return  # wanted again since it expired: keep the subscription
             if link.pubsub is not None:
-                with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     link.expect_unsubscribed(channel.wake)
                     if self._sharded:
                         await _adapter.sunsubscribe(link.pubsub, channel.wake)
@@ -456,7 +459,7 @@ class Notifier:
         if self._cluster:
             # A keyed command through the cluster client meets MOVED and so updates its
             # slot map; the channel name is in its primitive's slot.
-            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
                 await self._client.exists(channel.wake)
             if channel.confirmed is None and self._channels.get(channel.wake) is channel:
                 channel.link = self._link_for(channel.wake)
@@ -467,7 +470,7 @@ class Notifier:
             channel.confirmed = asyncio.get_running_loop().create_future()
             try:
                 await self._subscribe(channel)
-            except (redis.exceptions.RedisError, OSError) as exc:
+            except _LINK_DOWN as exc:
                 log.debug("aiolocks: re-subscribe to %r failed: %r", channel.wake, exc)
                 channel.confirmed = None
             else:
@@ -502,15 +505,6 @@ class Notifier:
 def _db_of(client: AnyRedis) -> int:
     kwargs = client.connection_pool.connection_kwargs  # type: ignore[union-attr]
     return int(kwargs.get("db", 0) or 0)
-
-
-def _node_client(node: Any) -> redis.asyncio.Redis:
-    """A client of one Cluster node, made like the cluster's own connections to it, for
-    that node's pub/sub connection."""
-    pool = redis.asyncio.ConnectionPool(
-        connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
-    )
-    return redis.asyncio.Redis(connection_pool=pool)
 
 
 class _Once(Retry):

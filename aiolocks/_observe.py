@@ -21,16 +21,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis.exceptions
-
 from ._context import ClientContext
-from ._errors import ServerUnavailable
+from ._errors import REDIS_ERRORS, ServerUnavailable
 from ._notifier import Hint
 
 __all__ = ["Hub", "Observer", "State", "hub_for", "parse_message"]
 
 log = logging.getLogger("aiolocks")
 
+# A read of the state that failed: the server, or the link to it.
+_FAILED: tuple[type[Exception], ...] = (ServerUnavailable, *REDIS_ERRORS, OSError)
 # After the lease end, the read waits this much more: the server must see it ended too.
 _MARGIN = 0.005
 _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
@@ -231,7 +231,7 @@ class Hub:
         while True:
             try:
                 state = await self._read()
-            except (ServerUnavailable, redis.exceptions.RedisError, OSError) as exc:
+            except _FAILED as exc:
                 # Unreachable for now: try again after a back-off (the notifier's re-sync
                 # after its reconnect usually comes first), and show the state again then.
                 log.debug("aiolocks: reading election %r failed: %r", self._channel, exc)

@@ -19,10 +19,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, final
 
-from redis.asyncio.cluster import RedisCluster
-
 from . import _acquire
-from ._clients import AnyRedis
+from ._clients import AnyRedis, is_cluster
 from ._context import ClientContext
 from ._errors import LockLost, map_redis_errors
 from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
@@ -141,7 +139,7 @@ class RedisMultiLock(LeasedLock):
         taken = _Taken()
         grants: list[_acquire.Grant] = []
         try:
-            if not isinstance(self._client, RedisCluster):
+            if not is_cluster(self._client):
                 tried = await self._take_all(context, token, taken, deadline)
                 if tried is None:
                     return None  # the deadline passed during the try (nothing is left)

@@ -128,7 +128,7 @@ class RedisMutex(LeasedLock):
             pipe = self._client.pipeline(transaction=False)
             pipe.get(owner)
             pipe.pttl(owner)
-            pipe.llen(queue)
+            pipe.llen(queue)  # type: ignore[arg-type]  # bytes: valkey-py's hints say str
             pipe.get(fence)
             token, pttl, length, last = await pipe.execute()
         if isinstance(token, bytes):

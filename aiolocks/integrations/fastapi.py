@@ -23,6 +23,7 @@ from typing import Annotated, Any, Unpack
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
 
+from .._clients import ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
 
 __all__ = ["HeldLock", "request_lock"]
@@ -60,8 +61,8 @@ def request_lock(
     Arguments are checked here, when the app is built.
     """
     policy = LockPolicy(**options)
-    if client is not None and not isinstance(client, redis.asyncio.Redis):
-        raise TypeError(f"client must be a redis.asyncio.Redis, not {type(client).__name__}")
+    if client is not None:
+        ensure_async_client(client)  # TypeError, naming what is accepted
     if not isinstance(state_key, str) or not state_key.isidentifier():
         raise ValueError(f"state_key must be an identifier, got {state_key!r}")
     if isinstance(name, str):
