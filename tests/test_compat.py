@@ -213,3 +213,19 @@ def test_every_primitive_works_in_each_cell_of_the_matrix(matrix: Matrix, name: 
     assert result["valkey"] is ("valkey" not in cell.hidden)  # aiolocks imported without it
     # Both servers' primitives, the wrong-type error text and the command line.
     assert result["checks"] == (54 if cell.cluster else 27) + 3
+
+
+PINS = sorted({cell.pin for cell in CELLS.values() if cell.pin is not None})
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_the_adapter_tests_pass_on_each_redis_py_release(pin: str) -> None:
+    """tests/test_adapter.py with the release imported (its Cluster cases: `nox -s compat`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_pip_target(pin)), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+         "-k", "not cluster", "tests/test_adapter.py"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.strip().splitlines()[-1]
