@@ -1,8 +1,9 @@
 """A real Redis/Valkey Cluster of three primaries on loopback ports, formed by the suite.
 
 The nodes are ``ServerProcess``es with cluster mode on. ``Cluster.start()`` splits the 16384
-slots in three (``CLUSTER ADDSLOTSRANGE``), joins the nodes (``CLUSTER MEET``), waits for every
-node to log "Cluster state changed: ok" and checks that every node reports the same slot map.
+slots in three (``CLUSTER ADDSLOTS``, which Redis 6.2 has too), joins the nodes (``CLUSTER
+MEET``), waits for every node to log "Cluster state changed: ok" and checks that every node
+reports the same slot map.
 ``migrate_slot`` moves one slot the way an operator does (IMPORTING/MIGRATING, ``MIGRATE`` in
 batches, ``SETSLOT NODE`` everywhere). Start and stop from the main thread (see _servers).
 """
@@ -101,7 +102,7 @@ class Cluster:
                 runs = [execute(client) for client in clients]
                 self.ids = [_text(run("CLUSTER", "MYID")) for run in runs]
                 for run, (first, last) in zip(runs, self.ranges, strict=True):
-                    run("CLUSTER", "ADDSLOTSRANGE", first, last)
+                    run("CLUSTER", "ADDSLOTS", *range(first, last + 1))
                 # Every pair meets directly, instead of learning of each other by gossip (which
                 # can take seconds).
                 for i, run in enumerate(runs):

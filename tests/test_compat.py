@@ -46,8 +46,7 @@ class Cell:
     loop: str = "asyncio"
     client: str = "redis"  # the library of the smoke's clients: redis-py or valkey-py
     hidden: tuple[str, ...] = ()  # packages the process cannot import (hiredis, valkey)
-    floor: bool = False  # against the Redis 6.2 server instead of the suite's redis-server
-    cluster: bool = True
+    floor: bool = False  # against Redis 6.2 servers instead of the suite's redis-server
 
     @property
     def direct(self) -> str:
@@ -66,8 +65,8 @@ CELLS: dict[str, Cell] = {
     "uvloop": Cell(loop="uvloop"),
     "no-hiredis": Cell(hidden=("hiredis",)),
     "valkey-py": Cell(client="valkey"),
-    "redis-6.2-floor": Cell(floor=True, cluster=False),
-    "redis-6.2-floor-redis-py-5.0": Cell(pin="redis==5.0.8", floor=True, cluster=False),
+    "redis-6.2-floor": Cell(floor=True),
+    "redis-6.2-floor-redis-py-5.0": Cell(pin="redis==5.0.8", floor=True),
 }
 
 _HIDDEN = 'raise ImportError("{name} is hidden from this process (aiolocks compat)")\n'
@@ -122,6 +121,7 @@ class Matrix:
         self._cluster_pool = cluster_pool
         self._runs: dict[str, Run] | None = None
         self._servers: list[ServerProcess] = []
+        self._clusters: list[Cluster] = []
 
     def _start_all(self) -> dict[str, Run]:
         redis_binary = binary_path("redis")
@@ -132,12 +132,17 @@ class Matrix:
         self._servers.append(server)
         cluster: Cluster | None = self._cluster_pool.get(f"{kind}-cluster")
         floor: ServerProcess | None = None
+        floor_cluster: Cluster | None = None
         floor_skip = None
         try:
-            floor = ServerProcess(floor_server_binary(), kind="redis", notify=True).start()
-            self._servers.append(floor)
+            floor_binary = floor_server_binary()
         except pytest.skip.Exception as exc:
             floor_skip = str(exc)
+        else:
+            floor = ServerProcess(floor_binary, kind="redis", notify=True).start()
+            self._servers.append(floor)
+            floor_cluster = Cluster(str(floor_binary), kind="redis").start()
+            self._clusters.append(floor_cluster)
         runs: dict[str, Run] = {}
         for name, cell in CELLS.items():
             try:
@@ -157,8 +162,9 @@ class Matrix:
             args = [sys.executable, str(SMOKE), url, "--cell", name, "--loop", cell.loop]
             args += ["--client", cell.client]
             args += ["--direct", cell.direct]
-            if cell.cluster and cluster is not None:
-                args += ["--cluster", cluster.startup_url]
+            on = floor_cluster if cell.floor else cluster
+            if on is not None:
+                args += ["--cluster", on.startup_url]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
             process = subprocess.Popen(
                 args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -190,6 +196,8 @@ class Matrix:
                 run.process.communicate()
         for server in self._servers:
             server.stop()
+        for each in self._clusters:
+            each.stop()
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +220,7 @@ def test_every_primitive_works_in_each_cell_of_the_matrix(matrix: Matrix, name: 
     assert str(result["client"]).startswith(f"{cell.client} ")
     assert result["valkey"] is ("valkey" not in cell.hidden)  # aiolocks imported without it
     # Both servers' primitives, the wrong-type error text and the command line.
-    assert result["checks"] == (54 if cell.cluster else 27) + 3
+    assert result["checks"] == 54 + 3
 
 
 PINS = sorted({cell.pin for cell in CELLS.values() if cell.pin is not None})
