@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import redis
@@ -23,6 +23,8 @@ from _harness import CommandLog, counted_client, counted_sync_client
 
 from aiolocks import RedisMutex
 from aiolocks._context import context_for
+
+T = TypeVar("T")
 
 
 class Contender(Protocol):
@@ -40,6 +42,7 @@ class Peer:
     label: ClassVar[str]
     threaded: ClassVar[bool] = False  # a blocking library: one thread per worker
     polls: ClassVar[bool] = False  # waiters poll the server while they wait
+    loop: ClassVar[str] = "asyncio"  # the event loop of its runs and workers ("uvloop")
 
     def __init__(self, url: str, log: CommandLog, ttl: float, renew: bool) -> None:
         self.url = url
@@ -115,6 +118,22 @@ class AiolocksLocalHandoffPeer(AiolocksPeer):
 
     def lock(self, name: str) -> Contender:
         return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=16))
+
+
+class AiolocksUvloopPeer(AiolocksPeer):
+    """The default mutex on uvloop's event loop (what `uvicorn[standard]` runs)."""
+
+    key = "aiolocks_uvloop"
+    label = "aiolocks RedisMutex, uvloop"
+    loop = "uvloop"
+
+
+class AiolocksLocalHandoffUvloopPeer(AiolocksLocalHandoffPeer):
+    """`local_handoff=16` on uvloop's event loop."""
+
+    key = "aiolocks_local16_uvloop"
+    label = "aiolocks RedisMutex local_handoff=16, uvloop"
+    loop = "uvloop"
 
 
 # ----------------------------------------------------------------------------- redis-py
@@ -350,6 +369,8 @@ class FloorPeer(Peer):
 PEERS: tuple[type[Peer], ...] = (
     AiolocksPeer,
     AiolocksLocalHandoffPeer,
+    AiolocksUvloopPeer,
+    AiolocksLocalHandoffUvloopPeer,
     RedisPyPeer,
     RedisPyFastPeer,
     PythonRedisLockPeer,
@@ -365,7 +386,19 @@ _NEEDS = {
     PythonRedisLockPeer.key: "redis_lock",
     PotteryPeer.key: "pottery",
     AioredlockPeer.key: "aioredlock",
+    AiolocksUvloopPeer.key: "uvloop",
+    AiolocksLocalHandoffUvloopPeer.key: "uvloop",
 }
+
+
+def run_on_loop(peer: type[Peer], coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coro)` on the peer's event loop (a fresh one: nothing outlives it)."""
+    if peer.loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
 
 
 def unavailable(peer: type[Peer]) -> str | None:

@@ -68,6 +68,7 @@ from _peers import (
     AiolocksPeer,
     FloorPeer,
     Peer,
+    run_on_loop,
     unavailable,
 )
 from _workloads import (
@@ -1113,7 +1114,7 @@ def run_all(
                 cap = plan.scale_cap_s + 60 if workload == "scale" else plan.cap_s * 2 + 30
                 try:
                     # A fresh event loop per run: nothing of one run outlives it.
-                    result = asyncio.run(hard_stopped(measure(peer_cls, url, plan), cap))
+                    result = run_on_loop(peer_cls, hard_stopped(measure(peer_cls, url, plan), cap))
                 except Exception as exc:  # report it, go on with the others
                     result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             results[workload][peer_cls.key] = result
@@ -1140,7 +1141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         try:
-            asyncio.run(worker_main(json.loads(args.worker)))
+            spec = json.loads(args.worker)
+            run_on_loop(BY_KEY[spec["peer"]], worker_main(spec))
         except Exception as exc:
             emit({"event": "failed", "error": f"{type(exc).__name__}: {exc}"[:300]})
             return 1

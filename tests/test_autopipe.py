@@ -19,7 +19,7 @@ from _proxy import Proxy
 from _servers import command_count
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks import RedisMutex, ServerUnavailable, _autopipe
+from aiolocks import RedisMutex, ServerUnavailable, _adapter, _autopipe
 from aiolocks._autopipe import AutoPipeline
 from aiolocks._context import AUTOPIPELINE_ENV, ClientContext, context_for
 from aiolocks._scripts import Script
@@ -435,7 +435,7 @@ async def test_a_resp3_push_on_the_link_answers_no_call(url: str, r: redis.async
     try:
         # The connection the link will take: tracking on, and a key read (so tracked).
         await r.set("ap:tracked", "first")
-        connection = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        connection = await _adapter.pooled_connection(client.connection_pool)
         await connection.send_command("CLIENT", "TRACKING", "ON")
         assert await connection.read_response() in (b"OK", "OK")
         await connection.send_command("GET", "ap:tracked")
