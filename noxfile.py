@@ -25,8 +25,8 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
-# The engine's tests that wait, time out, are cancelled and lose leases, and the adapter's:
-# what `nox -s compat` runs in each cell of the matrix.
+# The engine's tests that wait, time out, are cancelled and lose leases, the adapter's, the
+# command line's and the integrations': what `nox -s compat` runs in each cell.
 ENGINE_TESTS = [
     "tests/test_adapter.py",
     "tests/test_autopipe.py",
@@ -43,6 +43,10 @@ ENGINE_TESTS = [
     "tests/test_faults_cancel.py",
     "tests/test_faults_stall.py",
     "tests/test_faults_badinput.py",
+    # The command line and the web integrations on each client.
+    "tests/test_cli.py",
+    "tests/test_fastapi.py",
+    "tests/test_aiohttp.py",
 ]
 
 # The cells, each with the redis-py release it installs (None: the test extra's).
