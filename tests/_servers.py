@@ -42,6 +42,7 @@ __all__ = [
     "command_count",
     "execute",
     "free_port",
+    "has_sharded_pubsub",
     "run_workers",
 ]
 
@@ -334,6 +335,14 @@ async def command_count(client: redis.asyncio.Redis, names: Iterable[str] | None
             fields = dict(part.split("=", 1) for part in str(value).split(","))
             total += int(fields["calls"])
     return total
+
+
+async def has_sharded_pubsub(client: redis.asyncio.Redis) -> bool:
+    """Whether the server has sharded pub/sub (Redis 7.0+, every Valkey): then aiolocks'
+    grants go out by SPUBLISH, else (Redis 6.2) by PUBLISH."""
+    version = str((await client.info("server"))["redis_version"])
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= (7, 0)
 
 
 def _worker_command(script: str) -> list[str]:

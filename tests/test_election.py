@@ -17,6 +17,7 @@ import redis.asyncio
 from _cli import cli
 from _faults import close_client
 from _probes import QueueProbe
+from _servers import has_sharded_pubsub
 from _workers import ROOT, Spawn
 from conftest import Tasks
 
@@ -318,9 +319,12 @@ async def test_observers_share_one_subscription_and_do_not_poll(
     # One read served all twenty (plus the notifier's one question about pub/sub).
     assert context.commands_sent <= 2
     channel = "aiolocks:election:{scheduler}:wake"
-    sharded = await r.execute_command("PUBSUB", "SHARDNUMSUB", channel)  # type: ignore[no-untyped-call]
+    sharded = 0  # Redis 6.2 has no sharded pub/sub
+    if await has_sharded_pubsub(r):
+        reply = await r.execute_command("PUBSUB", "SHARDNUMSUB", channel)  # type: ignore[no-untyped-call]
+        sharded = int(reply[1])
     plain = await r.pubsub_numsub(channel)  # [(channel, n)]
-    assert int(sharded[1]) + int(plain[0][1]) == 1
+    assert sharded + int(plain[0][1]) == 1
 
     for quiet_with in ("vacant", "a leader"):
         sent, before = context.commands_sent, await _commands(r)
