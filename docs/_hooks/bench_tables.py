@@ -526,4 +526,5 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "telemetry": _telemetry,
     "autopipe": _autopipe,
     "local_handoff": _peers,  # bench_peers.py --only contended,processes: the same layout
+    "uvloop": _peers,  # bench_peers.py --only ...,processes, with the uvloop rows
 }
