@@ -510,8 +510,9 @@ async def withdraw(
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
     task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    for running in (_BACKGROUND, context.cleanups):
+        running.add(task)
+        task.add_done_callback(running.discard)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))

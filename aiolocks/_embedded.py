@@ -161,17 +161,31 @@ def _stop_running() -> None:
         server.stop()
 
 
-def start_embedded_server() -> EmbeddedServer:
-    """Start a Valkey server on a free port of 127.0.0.1 and return it once it answers PING;
-    `RuntimeError` (with the server's output) if it does not within `START_TIMEOUT`."""
+def start_embedded_server(port: int | None = None) -> EmbeddedServer:
+    """Start a Valkey server on `port` (default: a free one) of 127.0.0.1 and return it
+    once it answers PING; `RuntimeError` (with the server's output) if it does not within
+    `START_TIMEOUT`, or if `port` is taken."""
     binary = _server_binary()
+    if port is not None and not _bindable(port):
+        raise RuntimeError(f"port {port} of {HOST} is in use (a server running there already?)")
     failure = ""
-    for _ in range(_ATTEMPTS):
-        server, failure = _start(binary, free_port())
+    for _ in range(1 if port is not None else _ATTEMPTS):
+        server, failure = _start(binary, free_port() if port is None else port)
         if server is not None:
             _RUNNING.add(server)
             return server
     raise RuntimeError(f"the embedded Valkey server did not start: {failure}")
+
+
+def _bindable(port: int) -> bool:
+    """Whether a server could listen on `port` of 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 def _start(binary: str, port: int) -> tuple[EmbeddedServer | None, str]:

@@ -326,6 +326,7 @@ class LeasedLock:
         """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
         holding = self._install(task, grant.token, grant.fence)
         holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
+        holding.lease.release = functools.partial(self._release_call, context, grant.token)
         context.keeper.hold(holding.lease)
         self._cap(context, holding, grant.granted_at)
 

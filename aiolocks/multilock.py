@@ -217,6 +217,9 @@ class RedisMultiLock(LeasedLock):
             spec.renew, spec.renew_keys, (grant.token, self._ttl_ms), self._ttl,
             grant.granted_at, lost,
         )  # fmt: skip
+        lease.release = functools.partial(
+            _acquire.release, context, spec, grant.token, self._ttl_ms
+        )
         context.keeper.hold(lease)
         taken.leases.append(lease)
         taken.fences[spec.name] = grant.fence
