@@ -28,6 +28,7 @@ from ._errors import LockLost, map_redis_errors
 from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, validate_name
 from ._leases import Lease
+from ._query import query
 from ._scripts import load
 from ._telemetry import Counters
 from .mutex import MutexInfo, RedisMutex, mutex_spec
@@ -270,6 +271,7 @@ class RedisMultiLock(LeasedLock):
 
     # -- what the server says ------------------------------------------------------------
 
+    @query
     async def locked(self) -> bool:
         """True if anyone holds any of the names right now (asks Redis)."""
         with map_redis_errors(self._name):

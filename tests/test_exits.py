@@ -193,7 +193,7 @@ async def _all_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
             continue
         fds.append(fd)
         ended: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, lambda ended=ended: ended.done() or ended.set_result(None))
+        loop.add_reader(fd, _settle, ended)
         waits.append(ended)
     try:
         if waits:
@@ -203,6 +203,11 @@ async def _all_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
         for fd in fds:
             loop.remove_reader(fd)
             os.close(fd)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _ended(pid: int) -> bool:
@@ -218,19 +223,20 @@ async def _at_least(pid: int, count: int, timeout: float = 10.0) -> set[int]:
     """The processes below `pid` once there are `count` (bounded): a process tells nobody
     when it has started its own, so /proc is looked at (not a server) every 20 ms."""
     async with asyncio.timeout(timeout):
-        while len(found := _descendants(pid)) < count:
+        while len(found := _descendants(pid)) < count:  # noqa: ASYNC110 (no event: see above)
             await asyncio.sleep(0.02)
     return found
 
 
 async def _lines_until(worker: Worker, text: str, timeout: float = 60.0) -> list[str]:
     """Read `worker`'s stdout until a line containing `text`; every line read."""
-    assert worker.proc.stdout is not None
+    stdout = worker.proc.stdout
+    assert stdout is not None
 
     async def read() -> list[str]:
-        lines = []
+        lines: list[str] = []
         while True:
-            raw = await worker.proc.stdout.readline()
+            raw = await stdout.readline()
             assert raw, f"{worker.name} ended before {text!r}: {lines}"
             lines.append(raw.decode(errors="replace").rstrip("\n"))
             if text in lines[-1]:
@@ -292,7 +298,7 @@ async def test_a_web_servers_graceful_shutdown_finishes_the_request_and_the_lock
         assert answered.status_code == 200 and answered.json()["order"] == 7
         # uvicorn raises the signal again once it has shut down, as a signal would end it.
         assert await app.finish() in (0, -signal.SIGTERM)
-    await pubsub.aclose()
+    await pubsub.aclose()  # type: ignore[no-untyped-call]
     noise = [
         line
         for line in app.stderr.splitlines()
