@@ -1,14 +1,15 @@
 """`locked()` answers by asking Redis, so it is a coroutine: `if await m.locked():`. Written
 `if m.locked():` (as with `asyncio.Lock` or redis-py's `Lock`) a plain coroutine is always
 true, and Python only warns, later, that it was never awaited. The coroutine `locked()`
-returns here says so at once instead: its truth value raises `TypeError`.
+returns here says so at once instead: its truth value raises `TypeError`. Type checkers
+see a plain coroutine, so mypy's opt-in `truthy-bool` error code flags `if m.locked():`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 __all__ = ["Query", "query"]
 
@@ -39,12 +40,18 @@ class Query(Coroutine[Any, Any, T]):
     def close(self) -> None:
         self._coroutine.close()
 
-    def __bool__(self) -> NoReturn:
-        self._coroutine.close()  # never to be awaited: no "never awaited" warning on top
-        raise TypeError(
-            f"{self._what} is a coroutine (it asks Redis): write `await {self._what}`; "
-            "as a truth value it would always be true"
-        )
+    if not TYPE_CHECKING:
+        # Hidden from type checkers: with no `__bool__` in its type, mypy's `truthy-bool`
+        # error code names the mistake ("returns Coroutine[...] which does not implement
+        # __bool__ ... could always be true"), where a `NoReturn` one would only make the
+        # rest of the function unreachable.
+
+        def __bool__(self) -> NoReturn:
+            self._coroutine.close()  # never to be awaited: no "never awaited" warning too
+            raise TypeError(
+                f"{self._what} is a coroutine (it asks Redis): write `await {self._what}`; "
+                "as a truth value it would always be true"
+            )
 
     def __repr__(self) -> str:
         return f"<Query {self._what} {self._coroutine!r}>"

@@ -44,6 +44,30 @@ async def test_if_locked_without_await_is_a_type_error_that_says_what_to_write(
                     pytest.fail("a coroutine was taken for true")
 
 
+@pytest.mark.slow
+def test_mypy_flags_if_locked_without_await_with_truthy_bool(tmp_path: Path) -> None:
+    """Where the type system allows: mypy's opt-in `truthy-bool` error code (named on the
+    migration page) catches the mistake before it runs."""
+    from mypy import api
+
+    program = tmp_path / "trap.py"
+    program.write_text(
+        "import redis.asyncio as redis\n"
+        "from aiolocks import RedisMutex\n\n\n"
+        "async def main(r: redis.Redis) -> None:\n"
+        "    m = RedisMutex(r, 'x')\n"
+        "    if m.locked():\n"
+        "        print('held')\n"
+        "    if await m.locked():\n"
+        "        print('held')\n"
+    )
+    out, _, status = api.run(
+        ["--strict", "--enable-error-code", "truthy-bool", "--no-incremental", str(program)]
+    )
+    assert status == 1
+    assert out.count("error:") == 1 and "trap.py:7: error:" in out and "[truthy-bool]" in out
+
+
 async def test_await_locked_works_as_ever(fake_r: redis.asyncio.Redis) -> None:
     mutex = RedisMutex(fake_r, "orders:42")
     assert await mutex.locked() is False
