@@ -178,8 +178,7 @@ async def acquire(
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms, deadline)
-            await context.notifier.retain(spec.channel, spec.watch_key)
-            retained = True
+            retained = await _retain(context, spec, deadline)
             mode = "wait"
         outage = _RETRY_MIN
         answered = False  # the server has answered this acquisition at least once
@@ -276,8 +275,7 @@ async def acquire(
                     return miss
             if waiter is None:
                 waiter = _park(context, spec, token, ttl_ms, deadline)
-                await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
-                retained = True
+                retained = await _retain(context, spec, deadline)
                 mode = "wait"
                 may_defer = True
                 continue
@@ -560,6 +558,26 @@ def _park(
     )
     context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter
+
+
+async def _retain(context: ClientContext, spec: Spec, deadline: float | None) -> bool:
+    """Subscribe (`Notifier.retain`) for a parked waiter; False when it holds no reference.
+
+    The notifier tolerates a failed subscription (the waiter wakes on its timer); a failure
+    of what it asks the server first (`CONFIG GET`, once per client) is tolerated the same
+    way: the server has answered this acquisition, and one lost command must not end it.
+    The next waiter asks again.
+    """
+    try:
+        await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
+    except TimeoutError:
+        raise  # the caller's deadline (a builtin TimeoutError is an OSError too)
+    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+        raise
+    except (redis.exceptions.RedisError, OSError) as exc:
+        log.debug("aiolocks: no subscription for %r (%r); waiting on its timer", spec.name, exc)
+        return False
+    return True
 
 
 def _text(value: bytes | str) -> str:
