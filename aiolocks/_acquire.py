@@ -8,9 +8,11 @@ them. Script conventions (see `_scripts/*.lua`):
   caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
   published, as the caller wakes that waiter from the reply.
 - acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args; returns
-  {1, fence} granted, {0, wait_ms} queued, {-1, wait_ms} busy and not queued (wait_ms:
-  until the first lease in the way ends, -1 unknown), {-2, value} refused: the stored
-  configuration differs (e.g. a semaphore's limit), nothing changed.
+  {1, fence, grants...} granted, {0, wait_ms, floor, grants...} queued, {-1, wait_ms,
+  floor, grants...} busy and not queued (wait_ms: until the first lease in the way ends,
+  -1 unknown; floor: the name's fence floor, above every fence handed out before the call
+  and below every later one: a grant of the token at or below it is stale), {-2, value}
+  refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
   whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
   with every grant it made.
@@ -245,8 +247,11 @@ async def acquire(
                 continue
             outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
-            if len(reply) > 2:
-                wake_granted(context, spec, reply, 2, sent_at)  # others it let in, maybe local
+            grants = 2 if status in (GRANTED, REFUSED) else 3  # queued, busy: then the floor
+            if waiter is not None and grants == 3:
+                waiter.not_holding(int(reply[2]))  # drops a grant this answer overtook
+            if len(reply) > grants:
+                wake_granted(context, spec, reply, grants, sent_at)  # others, maybe local
             if status == GRANTED:
                 if late.confirm(sent_at, waiter):
                     continue  # answered after a stall: re-run (it re-arms the lease)
@@ -446,9 +451,12 @@ def wake_granted(
     was sent, a moment that precedes its grants."""
     lot = context.waitqueue.lot(spec.channel)
     for at in range(start, len(reply) - 2, 3):
+        token, fence = _text(reply[at]), int(reply[at + 1])
+        if context.waitqueue.stale(token, fence):
+            continue  # ended since: a later answer found the token not holding
         if lot is not None:
             lot.note_lease(int(reply[at + 2]), grant=True)
-        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]), sent_at)
+        context.waitqueue.unpark(token, fence, sent_at)
 
 
 async def release_surely(

@@ -11,17 +11,135 @@ delays a link, a stalled event loop, `CLIENT PAUSE`), and the items found by rea
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import close_client
+from _faults import close_client, make_sides
+from _probes import QueueProbe
 from _proxy import Proxy
+from _servers import ServerProcess
 
 from aiolocks import RedisMutex
+from aiolocks._context import context_for
+from aiolocks._holding import LeasedLock
+from aiolocks.election import _Candidacy
 
 pytestmark = pytest.mark.faults
+
+T = TypeVar("T")
+
+
+class OtherLoop:
+    """An event loop in a thread of its own: another process, as far as the engine can tell
+    (its own clients, tasks and timers), that keeps running while the test's loop stalls."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        return await asyncio.wait_for(asyncio.wrap_future(self.start(coro)), timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+async def other_loop() -> AsyncIterator[OtherLoop]:
+    other = OtherLoop()
+    try:
+        yield other
+    finally:
+        other.stop()
+
+
+def _lock(client: redis.asyncio.Redis, kind: str, name: str, ttl: float) -> LeasedLock:
+    if kind == "election":
+        return _Candidacy(client, name, "v", ttl=ttl, timeout=None, prefix="aiolocks", on_lost=None)
+    if kind == "write":
+        return make_sides(client, "rwlock", name, ttl=ttl)[1].lock
+    return make_sides(client, kind, name, limit=1, ttl=ttl)[0].lock  # type: ignore[arg-type]
+
+
+def _late_messages(client: redis.asyncio.Redis, delay: float) -> None:
+    """Every grant message `client`'s notifier reads is delivered `delay` seconds late (a
+    slow pub/sub link; commands are not delayed)."""
+    notifier = context_for(client).notifier
+    deliver = notifier._on_grant
+
+    def late(wake: bytes, payload: bytes) -> None:
+        asyncio.get_running_loop().call_later(delay, deliver, wake, payload)
+
+    notifier._on_grant = late  # type: ignore[method-assign]
+
+
+# -- 1. a grant believed after a later answer said "not the holder" -------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mutex", "semaphore", "write", "election"])
+async def test_a_grant_older_than_a_queued_answer_is_not_believed(
+    server: ServerProcess, other_loop: OtherLoop, kind: str
+) -> None:
+    """ttl 1 s. H (another process) releases to W while W's loop is stalled 1.5 s; W's
+    pub/sub link is 0.3 s late. W's lease ends on the server unrenewed, X (queued behind W)
+    gets the lock; W's re-check after the stall finds it queued again; then the old grant
+    message arrives. Before: W's `acquire()` returned True with a fence below X's while X
+    held. Now the message is dropped (its fence is at or below the queued answer's floor)
+    and W gets the lock after X, with a higher fence."""
+    name = f"stale-grant-{kind}"
+    admin = redis.asyncio.Redis.from_url(server.url)
+    await admin.flushall()
+    mine = redis.asyncio.Redis.from_url(server.url)
+    theirs: list[redis.asyncio.Redis] = []
+
+    async def open_theirs() -> tuple[LeasedLock, LeasedLock]:
+        theirs.append(redis.asyncio.Redis.from_url(server.url))
+        return _lock(theirs[0], kind, name, 1.0), _lock(theirs[0], kind, name, 1.0)
+
+    try:
+        holder, other = await other_loop.run(open_theirs())
+        assert await other_loop.run(holder.acquire())
+        waiter = _lock(mine, kind, name, 1.0)
+        probe = QueueProbe(mine)
+        waiting = asyncio.create_task(waiter.acquire(timeout=15))
+        await probe.wait_queued(1, 5)
+        x_acquired = other_loop.start(other.acquire(timeout=15))  # queued behind W
+        await asyncio.sleep(0.2)  # X's call is in (the queue order is W, X)
+        _late_messages(mine, 0.3)
+        released = other_loop.start(holder.release())  # grants W: published
+        time.sleep(1.5)  # noqa: ASYNC251 (on purpose: W's loop stalls past its lease)
+        await asyncio.wait_for(asyncio.wrap_future(released), 5)
+        assert await asyncio.wait_for(asyncio.wrap_future(x_acquired), 5), "X not granted"
+        x_fence = next(iter(other._holdings.values())).fence
+        await asyncio.sleep(0.6)  # the old message arrived 0.3 s after the stall
+        if waiting.done():
+            got = waiting.result()
+            fence = waiter._holdings[waiting].fence if got else None
+            pytest.fail(f"W acquired ({got}, fence {fence}) while X holds (fence {x_fence})")
+        await other_loop.run(other.release())  # adopted: X's acquiring task has ended
+        assert await asyncio.wait_for(waiting, 10)
+        w_fence = waiter._holdings[waiting].fence
+        assert w_fence > x_fence, (w_fence, x_fence)
+        await waiter.release()
+        record("24.1 stale grant dropped", trials=1, note=f"{kind}: W after X, fences rise")
+    finally:
+        if theirs:
+            await other_loop.run(close_client(theirs[0]))
+        await close_client(mine)
+        await admin.aclose()
 
 
 # -- 5. one failed CONFIG GET ---------------------------------------------------------------
