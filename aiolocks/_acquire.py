@@ -302,6 +302,14 @@ async def acquire(
         if retained:
             context.notifier.release(spec.channel)
         if dirty:
+            if context.autopipe is None:
+                # Its clean-up may overtake, on another connection, a call that grants or
+                # queues it (through the auto-pipeline, one connection keeps their order): a
+                # grant read for it from now on is handed on. Past the ttl (and the bound of
+                # a clean-up) any entry such a call left has been purged.
+                within = ttl_ms / 1000.0 + CLEANUP_BOUND
+                hand_on = functools.partial(_background_release, context, spec, token, ttl_ms)
+                context.waitqueue.depart(token, within, hand_on)
             # Awaited until the caller's deadline (a little past it), or, without one, up to
             # CLEANUP_BOUND; past that it goes on in the background.
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
@@ -512,16 +520,29 @@ async def withdraw(
     the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
     ttl the server has forgotten the token by itself), and a failure is logged."""
+    task = _background_release(context, spec, token, ttl_ms, call)
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    if not task.done():
+        await completed(asyncio.wait((task,), timeout=wait))
+    return task.done()
+
+
+def _background_release(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[Any]] | None = None,
+) -> asyncio.Future[None]:
+    """Start `call` (by default the release script for `token`) in a background task that
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl)."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
     task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
-    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
-    if not task.done():
-        await completed(asyncio.wait((task,), timeout=wait))
-    return task.done()
+    return task
 
 
 async def _withdraw(

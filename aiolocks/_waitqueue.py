@@ -14,7 +14,7 @@ import asyncio
 import enum
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["Carry", "Lot", "WaitQueue", "Waiter", "Wake"]
 
@@ -258,7 +258,7 @@ class Lot:
 class WaitQueue:
     """All lots of one client: park / unpark(token) / recheck / unpark_all."""
 
-    __slots__ = ("_by_token", "_deferred", "_held", "_lots", "tag")
+    __slots__ = ("_by_token", "_deferred", "_departed", "_held", "_lots", "tag")
 
     def __init__(self) -> None:
         self._lots: dict[bytes, Lot] = {}
@@ -268,6 +268,10 @@ class WaitQueue:
         # release to queue them (see `defer`).
         self._held: dict[bytes, set[str]] = {}
         self._deferred: dict[bytes, dict[str, Waiter]] = {}
+        # Tokens of acquisitions that left with the server maybe holding state for them
+        # (cancelled, timed out): token -> (until when a grant may still come, what hands
+        # such a grant on). See `depart`.
+        self._departed: dict[str, tuple[float, Callable[[], object]]] = {}
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = secrets.token_hex(4)
 
@@ -314,13 +318,30 @@ class WaitQueue:
         the grant); False if it is not ours. A stale grant (`Waiter.stale`) is dropped."""
         waiter = self._by_token.get(token)
         if waiter is None:
-            return False
+            departed = self._departed.pop(token, None)
+            if departed is None:
+                return False
+            departed[1]()  # granted after it left: handed on at once
+            return True
         if waiter.stale(fence):
             return True
         if waiter.lot.carries:
             self.note_held(waiter.lot.channel, token)
         waiter.grant(fence, after)
         return True
+
+    def depart(self, token: str, within: float, hand_on: Callable[[], object]) -> None:
+        """An acquisition of `token` left while the server may still hold state for it; its
+        clean-up is on its way. That clean-up may overtake a call that grants or queues the
+        token (on another connection: a carrying release, without auto-pipelining or on
+        Cluster), so a grant read for `token` in the next `within` seconds calls `hand_on`
+        (which releases it) instead of being ignored for a whole lease."""
+        now = time.monotonic()
+        for old, (until, _) in list(self._departed.items()):
+            if until > now:
+                break  # oldest first (near enough: a longer ttl just stays a little longer)
+            del self._departed[old]
+        self._departed[token] = (now + within, hand_on)
 
     # Carrying: a task that asks for a mutex while another task of this client holds it
     # waits (briefly) for that holder's release to queue it in the same script call, which

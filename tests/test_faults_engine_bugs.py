@@ -14,20 +14,21 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
 from _faultreport import record
 from _faults import close_client, make_sides
-from _probes import QueueProbe
+from _probes import Deferrals, QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
 
-from aiolocks import RedisMutex
-from aiolocks._context import context_for
+from aiolocks import RedisMutex, _acquire
+from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._holding import LeasedLock
+from aiolocks._scripts import Script
 from aiolocks.election import _Candidacy
 
 pytestmark = pytest.mark.faults
@@ -140,6 +141,81 @@ async def test_a_grant_older_than_a_queued_answer_is_not_believed(
             await other_loop.run(close_client(theirs[0]))
         await close_client(mine)
         await admin.aclose()
+
+
+# -- 3. a cancelled carried waiter granted after its clean-up -------------------------------
+
+
+def _slow_carrying_release(
+    client: redis.asyncio.Redis, delay: float, on_sent: Callable[[], object]
+) -> None:
+    """The carrying release of `client` (a release call that carries waiters) reaches the
+    server `delay` seconds late (its connection is slow); `on_sent` is called as the engine
+    sends it."""
+    context = context_for(client)
+    inner = context.run
+
+    async def run(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        if "carry" in args:
+            on_sent()
+            await asyncio.sleep(delay)
+        return await inner(script, keys, args, retry=retry)
+
+    context.run = run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("granted", [True, False], ids=["granted", "queued"])
+async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at_once(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, granted: bool
+) -> None:
+    """Auto-pipelining off (as on Cluster): W waits to be carried by H's release (same
+    client), and is cancelled once that release is sent. Its clean-up, on another
+    connection, reaches the server first and finds nothing; then the release grants W (the
+    mutex free), or queues it behind another client's waiter Q, which a later release grants
+    W. Either grant reaches a waiter that has left: it is handed on at once. Before, W held
+    the mutex for its whole ttl (10 s) and another client waited that long."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)  # carried whenever H releases
+    name = f"departed-{'granted' if granted else 'queued'}"
+    client = redis.asyncio.Redis.from_url(server.url)
+    other = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await other.flushall()
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        waiting = asyncio.create_task(waiter.acquire())
+        await deferrals.wait(1)
+        first = RedisMutex(other, name, ttl=10)  # Q, another client's waiter
+        if not granted:
+            probe = QueueProbe(other)
+            queued = asyncio.create_task(first.acquire(timeout=20))
+            await probe.wait_queued(1, 5)
+        _slow_carrying_release(client, 0.2, waiting.cancel)
+        await holder.release()  # W's clean-up is answered while this call is delayed
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        if not granted:
+            assert await queued  # the release handed Q the mutex and queued W behind it
+            await first.release()  # grants W, who has left (by message: another client)
+        later = RedisMutex(other, name, ttl=10)
+        started = time.monotonic()
+        assert await later.acquire(timeout=3), "the departed waiter kept the mutex"
+        waited = time.monotonic() - started
+        await later.release()
+        assert waited < 1.0, waited
+        record(
+            "24.3 departed carried waiter",
+            trials=1,
+            recover=[waited],
+            note=f"{'granted' if granted else 'queued'}: next holder after {waited:.3f} s",
+        )
+    finally:
+        await close_client(client)
+        await close_client(other)
 
 
 # -- 5. one failed CONFIG GET ---------------------------------------------------------------
