@@ -402,11 +402,17 @@ async def release(
     sent_at = time.monotonic()
     reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
     wake_granted(context, spec, reply, 1, sent_at)
+    status = int(reply[0])
     for waiter in carried:
         if waiter.fence is None:
             waiter.still_queued(sent_at)  # queued by this release: it sleeps on, unwoken
+            if status == BUSY:  # behind another holder (the releaser had lost it)
+                pttl = int(reply[1])
+                waiter.lot.note_lease(pttl if pttl >= 0 else waiter.ttl_ms)
+    if status == BUSY:
+        reply = reply[:1]  # no grants, only that holder's lease
     _telemetry.on_handoff(spec, (len(reply) - 1) // 3)  # a carried grant is one too
-    held = int(reply[0]) == 1
+    held = status == 1
     return None if unsure and not held else held
 
 

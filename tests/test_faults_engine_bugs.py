@@ -25,7 +25,7 @@ from _probes import Deferrals, QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
 
-from aiolocks import RedisMutex, _acquire
+from aiolocks import LockLost, RedisMutex, _acquire
 from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._scripts import Script
@@ -140,6 +140,56 @@ async def test_a_grant_older_than_a_queued_answer_is_not_believed(
         if theirs:
             await other_loop.run(close_client(theirs[0]))
         await close_client(mine)
+        await admin.aclose()
+
+
+# -- 2. a carried waiter queued behind another holder ---------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["valkey-plain", "redis-plain"])
+async def test_a_carried_waiter_queued_behind_another_holder_wakes_at_its_lease_end(
+    server_pool: Any, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
+    """Keyspace events off. H holds; W (same client) waits to be carried by H's release.
+    H's lease is taken over meanwhile (its key deleted, then taken by C, a holder that
+    crashes: ttl 2 s, never renewed), so H's release answers "not held" and queues W behind
+    C. W must re-check when C's lease ends. Before: no timer, so W waited its whole
+    timeout (8 s)."""
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)  # carried whenever H releases
+    server: ServerProcess = server_pool.get(variant)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await admin.flushall()
+        name = "carried-behind"
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        waiting = asyncio.create_task(waiter.acquire(timeout=8))
+        await deferrals.wait(1)
+        spec = holder._spec
+        await admin.delete(spec.keys[0])  # H's lease is gone (evicted, deleted)
+        context = context_for(admin)
+        member = context.waitqueue.member("crashed0000", 2000, "x")
+        sent = time.monotonic()
+        reply = await context.run(spec.acquire, spec.keys, (member, "try", spec.channel))
+        assert int(reply[0]) == 1  # C holds, for 2 s, and never renews
+        crash_end = sent + 2.0
+        with pytest.raises(LockLost):
+            await holder.release()  # answers "not held"; W is queued behind C
+        assert await waiting, "W timed out"
+        late = time.monotonic() - crash_end
+        assert late < 0.5, late
+        await waiter.release()
+        record(
+            "24.2 carried waiter behind another holder",
+            trials=1,
+            recover=[max(late, 0.0)],
+            note=f"{variant}: granted {late:.3f} s after the crashed lease's end",
+        )
+    finally:
+        await close_client(client)
         await admin.aclose()
 
 
