@@ -339,6 +339,12 @@ async def _carried(context: ClientContext, waiter: Waiter) -> Wake:
         return wake if wake in (Wake.GRANTED, Wake.DEADLINE) else Wake.RECHECK
 
 
+def late_grant(granted_at: float, ttl_ms: int) -> bool:
+    """A grant whose lease, counted from `granted_at`, has less than half its validity left:
+    to be confirmed with the server before it is reported (see `_Late`)."""
+    return _Late(ttl_ms).confirm(granted_at, None)
+
+
 class _Late:
     """Decides whether a grant is reported or first confirmed with the server.
 
@@ -499,17 +505,24 @@ UNANSWERED = Unanswered()
 
 
 async def release_until(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float,
+    call: Callable[[], Awaitable[bool | None]] | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
-    validity): past it the answer is UNANSWERED and the release goes on in the background."""
+    validity): past it the answer is UNANSWERED and the release goes on in the background.
+    `call` replaces the release of `spec` (a multi-lock releases several)."""
+    first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
     try:
-        return await _bounded(release(context, spec, token, ttl_ms, carry=True), until)
+        return await _bounded(first, until)
     except TimeoutError:
-        await withdraw(context, spec, token, ttl_ms, time.monotonic())
+        await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
-        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE))
+        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE), call)
         raise
 
 

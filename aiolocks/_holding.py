@@ -259,10 +259,7 @@ class LeasedLock:
         token = secrets.token_hex(16)
         if bound:
             token = cohort_token(token, bound)
-        try_bound = None
-        if not blocking:  # one try, bounded: the server may stall
-            try_bound = _try_bound(self._client)
-            deadline = time.monotonic() + try_bound
+        try_bound, deadline = self._try_deadline(blocking, deadline)
         with map_redis_errors(self._name):
             grant = await _acquire.acquire(
                 context,
@@ -274,19 +271,34 @@ class LeasedLock:
                 respec=lambda: self._spec,
             )
         if isinstance(grant, _acquire.Miss):
-            _last_miss.set(grant)
-            if try_bound is not None and grant.unanswered:
-                raise ServerUnavailable(
-                    self._name,
-                    f"Redis did not answer a try (blocking=False) within {try_bound:g} s "
-                    "(the client's socket_timeout, or "
-                    f"{_acquire.TRY_BOUND:g} s without one)",
-                    token=token,
-                )
+            self._missed(grant, try_bound, token)
             return None
         if self._replicas:
             await self._confirm_replicated(context, grant)
         return grant
+
+    def _try_deadline(
+        self, blocking: bool, deadline: float | None
+    ) -> tuple[float | None, float | None]:
+        """(the try's bound, the deadline): one try (not blocking) waits for the server at
+        most the try bound (`_try_bound`), as the server may stall."""
+        if blocking:
+            return None, deadline
+        try_bound = _try_bound(self._client)
+        return try_bound, time.monotonic() + try_bound
+
+    def _missed(self, miss: _acquire.Miss, try_bound: float | None, token: str) -> None:
+        """An acquisition ended without the primitive: noted for `LockTimeout`'s message; a
+        try the server did not answer within its bound raises `ServerUnavailable`."""
+        _last_miss.set(miss)
+        if try_bound is not None and miss.unanswered:
+            raise ServerUnavailable(
+                self._name,
+                f"Redis did not answer a try (blocking=False) within {try_bound:g} s "
+                "(the client's socket_timeout, or "
+                f"{_acquire.TRY_BOUND:g} s without one)",
+                token=token,
+            )
 
     async def _confirm_replicated(self, context: ClientContext, grant: _acquire.Grant) -> None:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it

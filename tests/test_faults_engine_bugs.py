@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import pytest
 import redis.asyncio
 from _faultreport import record
-from _faults import close_client, make_sides
+from _faults import close_client, leftovers, make_sides
 from _probes import Deferrals, QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
 
-from aiolocks import LockLost, RedisMutex, _acquire
+from aiolocks import LockLost, RedisMultiLock, RedisMutex, ServerUnavailable, _acquire, multilock
 from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._scripts import Script
@@ -266,6 +266,107 @@ async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at
     finally:
         await close_client(client)
         await close_client(other)
+
+
+# -- 4. the multi-lock's bounds during a CLIENT PAUSE -----------------------------------------
+
+
+async def _background_done(timeout: float) -> None:
+    """Wait (bounded) for the clean-ups left to finish in the background."""
+    pending = list(_acquire._BACKGROUND)
+    if pending:
+        await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+
+
+@pytest.mark.slow
+async def test_a_multi_lock_keeps_the_mutex_bounds_during_a_client_pause(
+    server_factory: Any,
+) -> None:
+    """`CLIENT PAUSE 6000 ALL`, a client without socket_timeout. The bounds docs/mutex.md
+    gives: release() of a ttl-1 holding raises LockLost within its validity + 0.3 s;
+    acquire(timeout=0.5) returns False within 0.7 s; acquire(blocking=False) raises
+    ServerUnavailable within TRY_BOUND + 0.2 s. Before: 6.1 s, 5.5 s, and True after 6.1 s.
+    Once the pause ends, the background clean-ups leave nothing behind."""
+    server: ServerProcess = server_factory(notify=False)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        held = RedisMultiLock(client, ["pa", "pb"], ttl=1)
+        assert await held.acquire()
+        warm = RedisMultiLock(client, ["pc", "pd"], ttl=2)
+        assert await warm.acquire()  # the scripts loaded, the link open
+        await warm.release()
+        await admin.execute_command("CLIENT", "PAUSE", 6000, "ALL")  # type: ignore[no-untyped-call]
+        holding = held._current()
+        assert holding is not None and holding.lease is not None
+        valid_for = holding.lease.valid_until - time.monotonic()
+        started = time.monotonic()
+        with pytest.raises(LockLost):
+            await held.release()
+        released = time.monotonic() - started
+        assert released <= max(valid_for, 0.0) + 0.3, (released, valid_for)
+
+        started = time.monotonic()
+        assert await RedisMultiLock(client, ["pc", "pd"], ttl=2).acquire(timeout=0.5) is False
+        timed = time.monotonic() - started
+        assert timed <= 0.5 + 0.2, timed
+
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            await RedisMultiLock(client, ["pe", "pf"], ttl=2).acquire(blocking=False)
+        tried = time.monotonic() - started
+        assert tried <= _acquire.TRY_BOUND + 0.2, tried
+
+        await _background_done(20)
+        for name in ("pa", "pb", "pc", "pd", "pe", "pf"):
+            assert await leftovers(admin, "mutex", name) == {}, name
+            assert not await RedisMutex(admin, name).locked(), name
+        record(
+            "24.4 multi-lock under CLIENT PAUSE",
+            trials=3,
+            note=f"release {released:.3f} s (validity {valid_for:.3f} s), "
+            f"acquire(timeout=0.5) {timed:.3f} s, blocking=False {tried:.3f} s",
+        )
+    finally:
+        await close_client(client)
+        await admin.aclose()
+
+
+@pytest.mark.slow
+async def test_a_multi_lock_grant_read_after_a_loop_stall_is_confirmed(
+    r: redis.asyncio.Redis,
+) -> None:
+    """ttl 1 s; the loop stalls 2 s as the one-script try's reply is read (every name was
+    free): past the leases. `acquire()` may return True only for leases the server holds.
+    Before, it reported names whose leases the server had ended."""
+    context = context_for(r)
+    inner = context.run
+    stalled: list[bool] = []
+
+    async def run(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        reply = await inner(script, keys, args, retry=retry)
+        if script is multilock._TRY_ALL and not stalled:
+            stalled.append(True)
+            time.sleep(2.0)  # noqa: ASYNC251 (on purpose: the loop stalls past the leases)
+        return reply
+
+    context.run = run  # type: ignore[method-assign]
+    lock = RedisMultiLock(r, ["late-a", "late-b"], ttl=1)
+    assert await lock.acquire(timeout=5)
+    assert stalled
+    holding = lock._current()
+    assert holding is not None and holding.lease is not None
+    remaining = holding.lease.remaining
+    for name in ("late-a", "late-b"):
+        key = f"aiolocks:mutex:{{{name}}}:owner"
+        owner = await r.get(key)
+        assert owner == holding.token.encode(), f"{name}: the server had ended its lease"
+        on_server = int(await r.pttl(key)) / 1000
+        assert remaining <= on_server + 0.05, (name, remaining, on_server)
+    await lock.release()
+    record("24.4 multi-lock late grant", trials=1, note=f"confirmed: {remaining:.3f} s left")
 
 
 # -- 5. one failed CONFIG GET ---------------------------------------------------------------
