@@ -427,13 +427,20 @@ async def release_reply(
 ) -> tuple[list[Any], bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's)."""
+    off (it may have done the work, and the reply is then the retry's).
+
+    The retry carries nobody: the carried waiters were told to re-check when the first
+    reply was lost (`granting`), and queue or find their grant themselves. Carried again,
+    one that the first call granted and that has since released would be granted anew.
+    """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
     context.waitqueue.note_released(spec.channel, token)
     try:
         return await granting(context, spec, spec.release, args), False
     except _LOST_REPLY:
+        if extra[:1] == ("carry",):
+            args = (member, spec.channel, *spec.args)
         return await granting(context, spec, spec.release, args), True
 
 

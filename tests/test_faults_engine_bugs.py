@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
+import redis.exceptions
 from _faultreport import record
 from _faults import close_client, leftovers, make_sides
 from _probes import Deferrals, QueueProbe
@@ -263,6 +264,66 @@ async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at
             recover=[waited],
             note=f"{'granted' if granted else 'queued'}: next holder after {waited:.3f} s",
         )
+    finally:
+        await close_client(client)
+        await close_client(other)
+
+
+# -- by reading: the retry of a carrying release ---------------------------------------------
+
+
+async def test_the_retry_of_a_carrying_release_does_not_grant_a_waiter_again(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Auto-pipelining off. H's release carries W and grants it, but its reply is lost. W
+    re-checks (it holds), and releases, before H's retry reaches the server (another
+    connection, slower). The retry must not carry W again: before, it granted the free mutex
+    to W's ended token, which kept it for its whole ttl (10 s)."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)
+    client = redis.asyncio.Redis.from_url(server.url)
+    other = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await other.flushall()
+        name = "carry-retry"
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        w_done = asyncio.Event()
+
+        async def take_and_give_back() -> None:
+            assert await waiter.acquire()
+            await waiter.release()
+            w_done.set()
+
+        waiting = asyncio.create_task(take_and_give_back())
+        await deferrals.wait(1)
+        context = context_for(client)
+        inner = context.run
+        h_member = context.waitqueue.member(holder._current().token, 10000, "x")  # type: ignore[union-attr]
+        releases: list[tuple[Any, ...]] = []
+
+        async def run(
+            script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        ) -> Any:
+            if script is holder._spec.release and args[0] == h_member:
+                releases.append(args)
+                if len(releases) == 2:
+                    await asyncio.wait_for(w_done.wait(), 5)  # the retry comes after W left
+                reply = await inner(script, keys, args, retry=retry)
+                if len(releases) == 1:
+                    raise redis.exceptions.ConnectionError("reply lost (test)")
+                return reply
+            return await inner(script, keys, args, retry=retry)
+
+        context.run = run  # type: ignore[method-assign]
+        await holder.release()  # no LockLost: the retry finds it released, the lease valid
+        await asyncio.wait_for(waiting, 5)
+        assert len(releases) == 2 and "carry" in releases[0]
+        info = await waiter.inspect()
+        assert info.owner is None, "W's ended token holds the mutex"
+        assert await RedisMutex(other, name, ttl=10).acquire(blocking=False)
     finally:
         await close_client(client)
         await close_client(other)
