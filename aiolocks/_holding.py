@@ -560,6 +560,11 @@ class LeasedLock:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
+        # No longer a local holder whose release would carry later waiters of its name
+        # (its release, if any, carries nobody): they must not wait for it.
+        waitqueue = context_for(self._client).waitqueue
+        for channel in self._held_channels():
+            waitqueue.note_released(channel, holding.token)
         holding.lost_reason = reason
         _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()
@@ -571,6 +576,10 @@ class LeasedLock:
                 self._on_lost(self._lost_error(holding))
             except Exception:
                 log.exception("aiolocks: on_lost callback of %r failed", self._name)
+
+    def _held_channels(self) -> tuple[bytes, ...]:
+        """The channels its holdings are noted under as local holders (carrying)."""
+        return (self._spec.channel,)
 
     # -- the current task's holding ----------------------------------------------------
 

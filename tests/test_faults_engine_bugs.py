@@ -31,6 +31,7 @@ from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._scripts import Script
 from aiolocks.election import _Candidacy
+from aiolocks.testing import expire_lease
 
 pytestmark = pytest.mark.faults
 
@@ -327,6 +328,51 @@ async def test_the_retry_of_a_carrying_release_does_not_grant_a_waiter_again(
     finally:
         await close_client(client)
         await close_client(other)
+
+
+# -- by reading: a lost or capped holding is no local holder -----------------------------------
+
+
+@pytest.mark.parametrize("how", ["lost", "capped"])
+async def test_a_lost_or_capped_holding_makes_no_later_waiter_wait_to_be_carried(
+    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """H's holding is lost (its lease ended on the server) or capped (max_hold), and H does
+    not release it. A later waiter of the same client must not wait for H's release to carry
+    it (the carry window is 10 s here): before, it did, every time, until H released."""
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)
+    name = f"lost-held-{how}"
+    first, second = RedisMutex(r, name, ttl=5), RedisMutex(r, name, ttl=5)
+    assert await first.acquire()  # then a contended acquisition: the channel is subscribed
+    carried = Deferrals(monkeypatch)
+    waiting = asyncio.create_task(second.acquire())
+    await carried.wait(1)
+    await first.release()
+    assert await asyncio.wait_for(waiting, 5)
+    await second.release()
+    holder = RedisMutex(r, name, ttl=5, max_hold=0.2 if how == "capped" else None)
+    assert await holder.acquire()
+    holding = holder._current()
+    assert holding is not None
+    if how == "lost":
+        await expire_lease(holder)
+    else:
+        await asyncio.wait_for(holding.lost.wait(), 5)
+        await r.delete(f"aiolocks:mutex:{{{name}}}:owner")  # the lease ended on the server
+    deferrals = Deferrals(monkeypatch)
+    later = RedisMutex(r, name, ttl=5)
+
+    async def take() -> None:
+        assert await later.acquire()
+        await later.release()
+
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.create_task(take()), 5)
+    took = time.monotonic() - started
+    assert deferrals.count == 0, "it waited to be carried by a lost holding"
+    assert took < 1.0, took
+    with pytest.raises(LockLost):
+        await holder.release()
 
 
 # -- 4. the multi-lock's bounds during a CLIENT PAUSE -----------------------------------------
