@@ -26,7 +26,15 @@ from _probes import Deferrals, QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
 
-from aiolocks import LockLost, RedisMultiLock, RedisMutex, ServerUnavailable, _acquire, multilock
+from aiolocks import (
+    LockLost,
+    RedisMultiLock,
+    RedisMutex,
+    ServerUnavailable,
+    _acquire,
+    _autopipe,
+    multilock,
+)
 from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._holding import LeasedLock
 from aiolocks._scripts import Script
@@ -373,6 +381,34 @@ async def test_a_lost_or_capped_holding_makes_no_later_waiter_wait_to_be_carried
     assert took < 1.0, took
     with pytest.raises(LockLost):
         await holder.release()
+
+
+# -- by reading: one blackholed auto-pipeline link -----------------------------------------
+
+
+async def test_a_blackholed_link_does_not_hold_every_script_call(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client without socket_timeout (redis-py 5-7's default; redis-py 8's connections
+    default to 5 s); the connection its script calls share (the auto-pipeline's link) goes
+    dead without a reset (nothing comes back, nothing fails); new connections work. Its
+    calls go again on a new connection after STALL_BOUND (1 s here). Before, every script
+    call of the client waited on the dead link: a free mutex was not acquired within 5 s."""
+    monkeypatch.setattr(_autopipe, "STALL_BOUND", 1.0, raising=False)
+    client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=None)
+    try:
+        lock = RedisMutex(client, "blackholed", ttl=5)
+        assert await lock.acquire()  # the link is open (and stays: 5 s idle)
+        await lock.release()
+        assert proxy.blackhole_open() == 1
+        started = time.monotonic()
+        assert await lock.acquire(timeout=5), "the client's calls waited on the dead link"
+        took = time.monotonic() - started
+        assert took < 1.0 + 1.0, took
+        await lock.release()
+        record("by reading: blackholed link", trials=1, recover=[took], note=f"{took:.3f} s")
+    finally:
+        await close_client(client)
 
 
 # -- 4. the multi-lock's bounds during a CLIENT PAUSE -----------------------------------------
