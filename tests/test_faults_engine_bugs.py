@@ -28,6 +28,7 @@ from _servers import ServerProcess
 
 from aiolocks import (
     LockLost,
+    RedisElection,
     RedisMultiLock,
     RedisMutex,
     ServerUnavailable,
@@ -276,6 +277,58 @@ async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at
     finally:
         await close_client(client)
         await close_client(other)
+
+
+# -- by reading: an election grant delivered twice ------------------------------------------
+
+
+@pytest.mark.parametrize("autopipe", ["on", "off"])
+async def test_an_election_grant_read_twice_after_a_lost_release_reply_is_one_term(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, autopipe: str
+) -> None:
+    """L resigns to C (same client); the resignation's reply is lost. C hears its election
+    three ways: the message (an election publishes every grant), the re-check the lost reply
+    causes, and the retry (which finds C leading: no grant). C leads once, for one term above
+    L's; once C resigns nothing is left and a newcomer is elected at once. (Checked: the
+    second delivery is dropped, `Waiter.grant` keeps the first; not a bug.)"""
+    if autopipe == "off":
+        monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        election = RedisElection(client, "twice", ttl=5)
+        leading, resign = asyncio.Event(), asyncio.Event()
+        terms: list[int] = []
+
+        async def lead(value: str) -> None:
+            async with election.campaign(value, timeout=10) as term:
+                terms.append(term.fencing_token)
+                leading.set()
+                await resign.wait()
+
+        first = asyncio.create_task(lead("L"))
+        await asyncio.wait_for(leading.wait(), 5)
+        leading.clear()
+        probe = QueueProbe(client)
+        second = asyncio.create_task(lead("C"))
+        await probe.wait_queued(1, 5)
+        sha = election._probe._spec.release.sha.encode()
+        drop = proxy.drop_on(lambda data: sha in data, "reply")
+        resign.set()
+        await asyncio.wait_for(first, 5)  # no LockLost: the retry finds it resigned
+        assert drop.at is not None
+        await asyncio.wait_for(second, 5)
+        assert len(terms) == 2 and terms[1] > terms[0], terms
+        info = await election.inspect()
+        assert info.leader is None and info.candidates == 0, info
+        resign.clear()
+        leading.clear()
+        third = asyncio.create_task(lead("D"))
+        await asyncio.wait_for(leading.wait(), 2)
+        resign.set()
+        await third
+        assert terms[2] > terms[1], terms
+    finally:
+        await close_client(client)
 
 
 # -- by reading: the retry of a carrying release ---------------------------------------------
