@@ -26,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 from . import _acquire, _telemetry
 from ._clients import AnyRedis, ensure_async_client
 from ._cohort import cohort_for, cohort_token
-from ._context import ClientContext, context_for
+from ._context import ClientContext, context_for, open_context
 from ._errors import (
     LockError,
     LockLost,
@@ -562,9 +562,10 @@ class LeasedLock:
     def _lease_lost(self, holding: Holding, reason: str) -> None:
         # No longer a local holder whose release would carry later waiters of its name
         # (its release, if any, carries nobody): they must not wait for it.
-        waitqueue = context_for(self._client).waitqueue
-        for channel in self._held_channels():
-            waitqueue.note_released(channel, holding.token)
+        context = open_context(self._client)
+        if context is not None:
+            for channel in self._held_channels():
+                context.waitqueue.note_released(channel, holding.token)
         holding.lost_reason = reason
         _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()
