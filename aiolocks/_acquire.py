@@ -15,7 +15,8 @@ them. Script conventions (see `_scripts/*.lua`):
   refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
   whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
-  with every grant it made.
+  with every grant it made ({-1, pttl} for a mutex release with 'carry' that did not hold
+  it and queued the carried members behind another holder: that lease's end).
 - renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
   ARGV = token, ttl_ms; returns 1 while still held.
 - heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
