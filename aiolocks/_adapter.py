@@ -20,13 +20,17 @@ What differs by release, and how it is met here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import weakref
 from typing import Any
 
+import redis.asyncio
+
 __all__ = [
     "NEVER_DECODE",
+    "close_idle_connections",
     "holds_connections",
     "needs_initialise",
     "node_client",
@@ -53,6 +57,15 @@ _TRANSPORT_METHODS = (
     "get_protocol",
     "set_protocol",
 )
+
+# The single-server clients' pool classes, of redis-py and (if installed) valkey-py.
+_POOLS: tuple[type[Any], ...] = (redis.asyncio.ConnectionPool,)
+try:
+    import valkey.asyncio
+
+    _POOLS += (valkey.asyncio.ConnectionPool,)
+except ImportError:  # valkey-py is optional
+    pass
 
 # Pool classes whose get_connection() requires a command name (redis-py < 5.3).
 _NAMED: dict[type, bool] = {}
@@ -127,6 +140,15 @@ def node_client(node: Any) -> Any:
 
 # The single-server client class of each library, by the library's package name.
 _SINGLE_CLIENT = {"redis": "Redis", "valkey": "Valkey"}
+
+
+async def close_idle_connections(client: Any) -> None:
+    """Close the idle connections of a single-server client's pool (not a Cluster
+    client's: its pools are per node), ignoring errors."""
+    pool: Any = getattr(client, "connection_pool", None)
+    if isinstance(pool, _POOLS):
+        with contextlib.suppress(Exception):
+            await pool.disconnect(inuse_connections=False)
 
 
 def needs_initialise(cluster: Any) -> bool:

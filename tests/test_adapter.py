@@ -186,6 +186,7 @@ _CLIENT_OBJECTS = (
 
 def test_nothing_but_the_adapter_names_a_private_attribute_of_a_client_object() -> None:
     pattern = re.compile(rf"\b{_CLIENT_OBJECTS}\._[a-z]\w*")
+    getattr_pattern = re.compile(rf"getattr\({_CLIENT_OBJECTS}, \"_[a-z]\w*\"")
     found = [
         f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -197,6 +198,6 @@ def test_nothing_but_the_adapter_names_a_private_attribute_of_a_client_object() 
         f"{path.relative_to(PACKAGE)}: {match}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.name != "_adapter.py"
-        for match in re.findall(r"getattr\(\w+, \"_[a-z]\w*\"", path.read_text())
+        for match in getattr_pattern.findall(path.read_text())
     ]
     assert not found, "\n".join(found)
