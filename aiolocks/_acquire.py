@@ -178,6 +178,7 @@ async def acquire(
     unreachable = False
     call = True  # the next step is a call to the acquire script (else: sleep first)
     carrying = False  # waiting for a local holder's release to carry it
+    in_flight: asyncio.Future[Any] | None = None  # its own call, while unanswered
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms, deadline)
@@ -220,10 +221,18 @@ async def acquire(
                 waiter.still_queued(sent_at)  # unknown to the server before this call
             dirty = True
             try:
-                reply = await _bounded(
-                    context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
-                    deadline,
+                pending = context.run(
+                    spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)
                 )
+                if context.autopipe is not None:
+                    reply = await _bounded(pending, deadline)
+                else:
+                    # On a connection of its own, which the clean-up would not follow: the
+                    # call runs in a task that leaving does not stop, and the clean-up is sent
+                    # after its reply (see `withdraw`).
+                    in_flight = asyncio.ensure_future(pending)
+                    reply = await _bounded(asyncio.shield(in_flight), deadline)
+                in_flight = None
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
                 dirty = answered  # refused before it ran: nothing changed by this call
                 raise
@@ -316,7 +325,23 @@ async def acquire(
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
             if unreachable:
                 until = time.monotonic() + GRACE
-            await withdraw(context, spec, token, ttl_ms, until)
+            after = None if in_flight is None else _answered(context, spec, in_flight, sent_at)
+            await withdraw(context, spec, token, ttl_ms, until, after=after)
+
+
+async def _answered(
+    context: ClientContext, spec: Spec, in_flight: asyncio.Future[Any], sent_at: float
+) -> None:
+    """Wait for the acquire call a departed acquisition left in flight (its clean-up is sent
+    after it, so that the call cannot grant or queue the token behind the clean-up's back),
+    and wake the local waiters its reply granted."""
+    try:
+        reply = await in_flight
+    except Exception:
+        return  # failed (a lost reply: the clean-up, sent next, withdraws whatever it did)
+    grants = 2 if int(reply[0]) in (GRANTED, REFUSED) else 3
+    if len(reply) > grants:
+        wake_granted(context, spec, reply, grants, sent_at)
 
 
 def _granted(context: ClientContext, spec: Spec, token: str, fence: int, at: float) -> Grant:
@@ -541,13 +566,17 @@ async def withdraw(
     ttl_ms: int,
     until: float | None,
     call: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    after: Awaitable[None] | None = None,
 ) -> bool:
     """Run the release script for `token` in a task of its own that outlives the caller:
     awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
     the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
-    ttl the server has forgotten the token by itself), and a failure is logged."""
-    task = _background_release(context, spec, token, ttl_ms, call)
+    ttl the server has forgotten the token by itself), and a failure is logged. `after`:
+    awaited first, in that task, for at most as long (the reply of the token's own call in
+    flight, see `_answered`; past it, that call is abandoned and the release sent)."""
+    task = _background_release(context, spec, token, ttl_ms, call, after)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))
@@ -560,23 +589,34 @@ def _background_release(
     token: str,
     ttl_ms: int,
     call: Callable[[], Awaitable[Any]] | None = None,
+    after: Awaitable[None] | None = None,
 ) -> asyncio.Future[None]:
     """Start `call` (by default the release script for `token`) in a background task that
-    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl)."""
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl);
+    after `after`, if given (awaited for at most as long)."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
-    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
+    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound, after))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
     return task
 
 
 async def _withdraw(
-    call: Callable[[], Awaitable[Any]], name: str, token: str, bound: float
+    call: Callable[[], Awaitable[Any]],
+    name: str,
+    token: str,
+    bound: float,
+    after: Awaitable[None] | None = None,
 ) -> None:
     """Run `call` (the release of `token`), trying again (with a back-off) while the server
-    cannot be reached, for at most `bound` seconds."""
+    cannot be reached, for at most `bound` seconds; after `after`, awaited as long at most."""
+    if after is not None:
+        try:
+            await asyncio.wait_for(after, bound)
+        except TimeoutError:
+            log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
     give_up = time.monotonic() + bound
     delay = _RETRY_MIN
     while True:

@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio
 import redis.exceptions
 from _faultreport import record
-from _faults import close_client, leftovers, make_sides
+from _faults import aiolocks_keys, close_client, leftovers, make_sides
 from _probes import Deferrals, QueueProbe
 from _proxy import Proxy
 from _servers import ServerProcess
@@ -227,6 +227,17 @@ def _slow_carrying_release(
     context.run = run  # type: ignore[method-assign]
 
 
+async def _taken_at_once(later: RedisMutex | LeasedLock, report: str, note: str) -> None:
+    """Another client's `later` takes the name at once (a departed token holds nothing) and
+    gives it back; recorded under `report`, `note` followed by how long it waited."""
+    started = time.monotonic()
+    assert await later.acquire(timeout=8), "the departed acquisition kept it"
+    waited = time.monotonic() - started
+    await later.release()
+    assert waited < 1.0, waited
+    record(report, trials=1, recover=[waited], note=f"{note}next holder after {waited:.3f} s")
+
+
 @pytest.mark.parametrize("granted", [True, False], ids=["granted", "queued"])
 async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at_once(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch, granted: bool
@@ -263,20 +274,76 @@ async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at
             assert await queued  # the release handed Q the mutex and queued W behind it
             await first.release()  # grants W, who has left (by message: another client)
         later = RedisMutex(other, name, ttl=10)
-        started = time.monotonic()
-        assert await later.acquire(timeout=3), "the departed waiter kept the mutex"
-        waited = time.monotonic() - started
-        await later.release()
-        assert waited < 1.0, waited
-        record(
-            "24.3 departed carried waiter",
-            trials=1,
-            recover=[waited],
-            note=f"{'granted' if granted else 'queued'}: next holder after {waited:.3f} s",
+        await _taken_at_once(
+            later, "24.3 departed carried waiter", f"{'granted' if granted else 'queued'}: "
         )
     finally:
         await close_client(client)
         await close_client(other)
+
+
+# -- its own call in flight when a waiter leaves ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore", "write"])
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+@pytest.mark.parametrize("call", ["try", "wait"])
+async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
+    proxy: Proxy,
+    direct: redis.asyncio.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    how: str,
+    call: str,
+) -> None:
+    """Auto-pipelining off (as on Cluster): W's own acquire call is held back 0.5 s on its
+    connection, and W leaves (cancelled, or its 0.1 s timeout) while it is in flight: its
+    try call with the primitive free, or its queue call while another client's H holds it
+    (H then releases). W's clean-up waits for that call's reply before it is sent. Before,
+    it went at once on another connection and found nothing; the late call then granted W's
+    token the free primitive, which it held for its whole ttl (5 s) while another client
+    waited, or queued it: a phantom head (handed on when H's release granted it only
+    because W's client was still subscribed and remembered the token, `WaitQueue.depart`)."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    delay = 0.5
+    name = f"in-flight-{kind}-{how.replace(' ', '-')}-{call}"
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        lock = _lock(client, kind, name, ttl=5)
+        assert await lock.acquire()  # loads the script: EVALSHA from now on
+        await lock.release()
+        holder = _lock(direct, kind, name, ttl=5)
+        if call == "wait":
+            assert await holder.acquire()
+        sha, mode = lock._spec.acquire.sha.encode(), f"\r\n{call}\r\n".encode()  # its ARGV
+        held = proxy.delay_on(lambda data: sha in data and mode in data, delay)
+        timeout = 0.1 if how == "timed out" else None
+        waiting = asyncio.create_task(lock.acquire(timeout=timeout))
+        await asyncio.wait_for(held.fired.wait(), 5)
+        started = time.monotonic()
+        if how == "cancelled":
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        else:
+            assert await waiting is False
+        left = time.monotonic() - started
+        assert left < delay + 0.2, left  # its clean-up's bound: 5 s; a timeout's: + 50 ms
+        await asyncio.wait_for(held.answered.wait(), 5)  # the server ran the late call
+        await _background_done(5)
+        family = "rwlock" if kind == "write" else kind
+        parts = await aiolocks_keys(direct, family, name)
+        assert not {"queue", "waiters"} & parts.keys(), parts  # no phantom queue entry
+        if call == "wait":
+            await holder.release()
+        await _taken_at_once(
+            _lock(direct, kind, name, ttl=5),
+            "24 follow-up: departed acquisition, call in flight",
+            f"{kind}, {how}, {call}: left after {left:.3f} s; ",
+        )
+        assert await leftovers(direct, family, name) == {}
+    finally:
+        await close_client(client)
 
 
 # -- by reading: an election grant delivered twice ------------------------------------------
