@@ -298,8 +298,9 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
 ) -> None:
     """Auto-pipelining off (as on Cluster), every primitive of the acquire skeleton (the
     multi-lock has its own): W's own acquire call is held back 0.5 s on its connection,
-    and W leaves (cancelled, or its 0.1 s timeout) while it is in flight: its try call with the primitive free, or its queue call while another client's H holds it
-    (H then releases). W's clean-up waits for that call's reply before it is sent. Before,
+    and W leaves (cancelled, or its 0.1 s timeout) while it is in flight: its try call
+    with the primitive free, or its queue call while another client's H holds it (H then
+    releases). W's clean-up waits for that call's reply before it is sent. Before,
     it went at once on another connection and found nothing; the late call then granted W's
     token the free primitive, which it held for its whole ttl (5 s) while another client
     waited, or queued it: a phantom head (handed on when H's release granted it only
@@ -507,15 +508,19 @@ async def test_a_lost_or_capped_holding_makes_no_later_waiter_wait_to_be_carried
 # -- by reading: one blackholed auto-pipeline link -----------------------------------------
 
 
+@pytest.mark.parametrize("reads", ["direct", "reader task"])
 async def test_a_blackholed_link_does_not_hold_every_script_call(
-    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, reads: str
 ) -> None:
     """A client without socket_timeout (redis-py 5-7's default; redis-py 8's connections
     default to 5 s); the connection its script calls share (the auto-pipeline's link) goes
     dead without a reset (nothing comes back, nothing fails); new connections work. Its
-    calls go again on a new connection after STALL_BOUND (1 s here). Before, every script
-    call of the client waited on the dead link: a free mutex was not acquired within 5 s."""
+    calls go again on a new connection after STALL_BOUND (1 s here), whether the link's
+    replies are parsed where they arrive or read by its task (connections that are not
+    sockets, RESP3 without hiredis' push type). Before, every script call of the client
+    waited on the dead link: a free mutex was not acquired within 5 s."""
     monkeypatch.setattr(_autopipe, "STALL_BOUND", 1.0, raising=False)
+    monkeypatch.setattr(_autopipe, "DIRECT_READS", reads == "direct")
     client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=None)
     try:
         lock = RedisMutex(client, "blackholed", ttl=5)
@@ -527,7 +532,9 @@ async def test_a_blackholed_link_does_not_hold_every_script_call(
         took = time.monotonic() - started
         assert took < 1.0 + 1.0, took
         await lock.release()
-        record("by reading: blackholed link", trials=1, recover=[took], note=f"{took:.3f} s")
+        record(
+            "by reading: blackholed link", trials=1, recover=[took], note=f"{reads}: {took:.3f} s"
+        )
     finally:
         await close_client(client)
 
