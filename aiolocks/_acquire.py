@@ -49,7 +49,9 @@ __all__ = [
     "completed",
     "release",
     "release_surely",
+    "settled",
     "shielded",
+    "unstopped",
     "withdraw",
 ]
 
@@ -224,14 +226,9 @@ async def acquire(
                 pending = context.run(
                     spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)
                 )
-                if context.autopipe is not None:
-                    reply = await _bounded(pending, deadline)
-                else:
-                    # On a connection of its own, which the clean-up would not follow: the
-                    # call runs in a task that leaving does not stop, and the clean-up is sent
-                    # after its reply (see `withdraw`).
-                    in_flight = asyncio.ensure_future(pending)
-                    reply = await _bounded(asyncio.shield(in_flight), deadline)
+                in_flight = unstopped(context, pending)
+                shielded_call = pending if in_flight is None else asyncio.shield(in_flight)
+                reply = await _bounded(shielded_call, deadline)
                 in_flight = None
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
                 dirty = answered  # refused before it ran: nothing changed by this call
@@ -329,16 +326,36 @@ async def acquire(
             await withdraw(context, spec, token, ttl_ms, until, after=after)
 
 
+def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`call` (a script call that may grant or queue a token) in a task of its own, to await
+    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
+    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
+    Only where the clean-up would not follow it on one connection (auto-pipelining off,
+    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
+    nothing, and the call then grant or queue the departed token for its ttl). None through
+    the auto-pipeline: `call` is awaited as it is."""
+    if context.autopipe is not None:
+        return None
+    return asyncio.ensure_future(call)
+
+
+async def settled(in_flight: asyncio.Future[T]) -> T | None:
+    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
+    lost reply: the clean-up sent next withdraws whatever it did)."""
+    try:
+        return await in_flight
+    except Exception:
+        return None
+
+
 async def _answered(
     context: ClientContext, spec: Spec, in_flight: asyncio.Future[Any], sent_at: float
 ) -> None:
-    """Wait for the acquire call a departed acquisition left in flight (its clean-up is sent
-    after it, so that the call cannot grant or queue the token behind the clean-up's back),
-    and wake the local waiters its reply granted."""
-    try:
-        reply = await in_flight
-    except Exception:
-        return  # failed (a lost reply: the clean-up, sent next, withdraws whatever it did)
+    """Wait for the acquire call a departed acquisition left in flight, and wake the local
+    waiters its reply granted."""
+    reply = await settled(in_flight)
+    if reply is None:
+        return
     grants = 2 if int(reply[0]) in (GRANTED, REFUSED) else 3
     if len(reply) > grants:
         wake_granted(context, spec, reply, grants, sent_at)
@@ -567,7 +584,7 @@ async def withdraw(
     until: float | None,
     call: Callable[[], Awaitable[Any]] | None = None,
     *,
-    after: Awaitable[None] | None = None,
+    after: Awaitable[Any] | None = None,
 ) -> bool:
     """Run the release script for `token` in a task of its own that outlives the caller:
     awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
@@ -589,7 +606,7 @@ def _background_release(
     token: str,
     ttl_ms: int,
     call: Callable[[], Awaitable[Any]] | None = None,
-    after: Awaitable[None] | None = None,
+    after: Awaitable[Any] | None = None,
 ) -> asyncio.Future[None]:
     """Start `call` (by default the release script for `token`) in a background task that
     retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl);
@@ -608,7 +625,7 @@ async def _withdraw(
     name: str,
     token: str,
     bound: float,
-    after: Awaitable[None] | None = None,
+    after: Awaitable[Any] | None = None,
 ) -> None:
     """Run `call` (the release of `token`), trying again (with a back-off) while the server
     cannot be reached, for at most `bound` seconds; after `after`, awaited as long at most."""

@@ -78,11 +78,17 @@ async def other_loop() -> AsyncIterator[OtherLoop]:
 
 
 def _lock(client: redis.asyncio.Redis, kind: str, name: str, ttl: float) -> LeasedLock:
+    if kind == "multi":
+        return RedisMultiLock(client, _multi_names(name), ttl=ttl)
     if kind == "election":
         return _Candidacy(client, name, "v", ttl=ttl, timeout=None, prefix="aiolocks", on_lost=None)
     if kind == "write":
         return make_sides(client, "rwlock", name, ttl=ttl)[1].lock
     return make_sides(client, kind, name, limit=1, ttl=ttl)[0].lock  # type: ignore[arg-type]
+
+
+def _multi_names(name: str) -> list[str]:
+    return [f"{name}-a", f"{name}-b"]
 
 
 def _late_messages(client: redis.asyncio.Redis, delay: float) -> None:
@@ -285,9 +291,18 @@ async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at
 # -- its own call in flight when a waiter leaves ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["mutex", "semaphore", "write", "election"])
+@pytest.mark.parametrize(
+    ("kind", "call"),
+    [
+        *(
+            (kind, call)
+            for kind in ("mutex", "semaphore", "write", "election")
+            for call in ("try", "wait")
+        ),
+        ("multi", "try"),  # its one script for all names (queued, each name is a mutex)
+    ],
+)
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
-@pytest.mark.parametrize("call", ["try", "wait"])
 async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
     proxy: Proxy,
     direct: redis.asyncio.Redis,
@@ -296,8 +311,8 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
     how: str,
     call: str,
 ) -> None:
-    """Auto-pipelining off (as on Cluster), every primitive of the acquire skeleton (the
-    multi-lock has its own): W's own acquire call is held back 0.5 s on its connection,
+    """Auto-pipelining off (as on Cluster), every primitive of the acquire skeleton and the
+    multi-lock's one-script try: W's own acquire call is held back 0.5 s on its connection,
     and W leaves (cancelled, or its 0.1 s timeout) while it is in flight: its try call
     with the primitive free, or its queue call while another client's H holds it (H then
     releases). W's clean-up waits for that call's reply before it is sent. Before,
@@ -317,6 +332,8 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
         if call == "wait":
             assert await holder.acquire()
         sha, mode = lock._spec.acquire.sha.encode(), f"\r\n{call}\r\n".encode()  # its ARGV
+        if kind == "multi":
+            sha, mode = multilock._TRY_ALL.sha.encode(), b""
         held = proxy.delay_on(lambda data: sha in data and mode in data, delay)
         timeout = 0.1 if how == "timed out" else None
         waiting = asyncio.create_task(lock.acquire(timeout=timeout))
@@ -332,9 +349,11 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
         assert left < delay + 0.2, left  # its clean-up's bound: 5 s; a timeout's: + 50 ms
         await asyncio.wait_for(held.answered.wait(), 5)  # the server ran the late call
         await _background_done(5)
-        family = {"write": "rwlock"}.get(kind, kind)
-        parts = await aiolocks_keys(direct, family, name)
-        assert not {"queue", "waiters"} & parts.keys(), parts  # no phantom queue entry
+        family = {"write": "rwlock", "multi": "mutex"}.get(kind, kind)
+        names = _multi_names(name) if kind == "multi" else [name]
+        for each in names:
+            parts = await aiolocks_keys(direct, family, each)
+            assert not {"queue", "waiters"} & parts.keys(), parts  # no phantom queue entry
         if call == "wait":
             await holder.release()
         await _taken_at_once(
@@ -343,7 +362,8 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
             f"{kind}, {how}, {call}: left after {left:.3f} s; ",
         )
         if kind != "election":  # keeps its candidates' register
-            assert await leftovers(direct, family, name) == {}
+            for each in names:
+                assert await leftovers(direct, family, each) == {}
     finally:
         await close_client(client)
 
