@@ -485,14 +485,20 @@ class LeasedLock:
         token = secrets.token_hex(16)
         script, keys = self._adopt_call()
         sent_at = time.monotonic()
+        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
+        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             with map_redis_errors(self._name):
-                taken = await context.run(script, keys, (handle.token, token, self._ttl_ms))
+                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
         except BaseException:
-            # The script may have run: give back what the new token may hold.
-            await _acquire.shielded(
-                lambda: self._release_call(context, token), _acquire.CLEANUP_BOUND
-            )
+            # The script may have run: give back what the new token may hold (after its
+            # reply, if it is still on its way).
+            async def give_back() -> bool | None:
+                if in_flight is not None:
+                    await _acquire.settled(in_flight)
+                return await self._release_call(context, token)
+
+            await _acquire.shielded(give_back, _acquire.CLEANUP_BOUND)
             raise
         if not int(taken):
             raise LockLost(

@@ -368,6 +368,41 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
         await close_client(client)
 
 
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+async def test_an_adoption_cancelled_with_its_call_in_flight_leaves_nothing_behind(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Auto-pipelining off: `adopt()`'s call (which moves the detached holding to a new
+    token) is held back 0.5 s, and the adopting task is cancelled meanwhile. The give-back
+    of the new token waits for that call's reply; before, it went first on another
+    connection, and the late call then moved the holding to a token nobody had: held for
+    its ttl (5 s) while another client waited."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    name = f"adopt-in-flight-{kind}"
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        lock = _lock(client, kind, name, ttl=5)
+        assert await lock.acquire()
+        await lock.adopt(lock.detach())  # loads the script: EVALSHA from now on
+        await lock.release()
+        assert await lock.acquire()
+        handle = lock.detach()
+        sha = lock._adopt_call()[0].sha.encode()
+        held = proxy.delay_on(lambda data: sha in data, 0.5)
+        adopting = asyncio.create_task(lock.adopt(handle))
+        await asyncio.wait_for(held.fired.wait(), 5)
+        adopting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adopting
+        await asyncio.wait_for(held.answered.wait(), 5)  # the server ran the late call
+        await _background_done(5)
+        await _taken_at_once(
+            _lock(direct, kind, name, ttl=5), "24 follow-up: cancelled adoption", f"{kind}: "
+        )
+    finally:
+        await close_client(client)
+
+
 # -- by reading: an election grant delivered twice ------------------------------------------
 
 
