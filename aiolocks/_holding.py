@@ -492,13 +492,13 @@ class LeasedLock:
                 taken = await (pending if in_flight is None else asyncio.shield(in_flight))
         except BaseException:
             # The script may have run: give back what the new token may hold (after its
-            # reply, if it is still on its way).
-            async def give_back() -> bool | None:
-                if in_flight is not None:
-                    await _acquire.settled(in_flight)
-                return await self._release_call(context, token)
-
-            await _acquire.shielded(give_back, _acquire.CLEANUP_BOUND)
+            # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
+            # background.
+            release = functools.partial(self._release_call, context, token)
+            after = None if in_flight is None else _acquire.settled(in_flight)
+            await _acquire.withdraw(
+                context, self._spec, token, self._ttl_ms, None, release, after=after
+            )
             raise
         if not int(taken):
             raise LockLost(
