@@ -368,6 +368,21 @@ async def test_a_departed_acquisition_leaves_nothing_behind_its_call_in_flight(
         await close_client(client)
 
 
+async def _cancelled_while_held_back(
+    proxy: Proxy, match: Callable[[bytes], bool], call: Coroutine[Any, Any, Any]
+) -> None:
+    """Run `call` with the request that `match`es held back 0.5 s on its connection, cancel
+    it meanwhile, and wait until the server has run that request and the clean-ups ended."""
+    held = proxy.delay_on(match, 0.5)
+    task = asyncio.create_task(call)
+    await asyncio.wait_for(held.fired.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(held.answered.wait(), 5)  # the server ran the late call
+    await _background_done(5)
+
+
 @pytest.mark.parametrize("kind", ["mutex", "semaphore"])
 async def test_an_adoption_cancelled_with_its_call_in_flight_leaves_nothing_behind(
     proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -388,16 +403,32 @@ async def test_an_adoption_cancelled_with_its_call_in_flight_leaves_nothing_behi
         assert await lock.acquire()
         handle = lock.detach()
         sha = lock._adopt_call()[0].sha.encode()
-        held = proxy.delay_on(lambda data: sha in data, 0.5)
-        adopting = asyncio.create_task(lock.adopt(handle))
-        await asyncio.wait_for(held.fired.wait(), 5)
-        adopting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await adopting
-        await asyncio.wait_for(held.answered.wait(), 5)  # the server ran the late call
-        await _background_done(5)
+        await _cancelled_while_held_back(proxy, lambda data: sha in data, lock.adopt(handle))
         await _taken_at_once(
             _lock(direct, kind, name, ttl=5), "24 follow-up: cancelled adoption", f"{kind}: "
+        )
+    finally:
+        await close_client(client)
+
+
+@pytest.mark.parametrize("autopipe", ["on", "off"])
+async def test_a_replication_check_cancelled_in_flight_leaves_nothing_behind(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, autopipe: str
+) -> None:
+    """`replicas=1` on a server without replicas: the grant's confirmation (the acquire
+    script again, then WAIT, on a pooled connection of its own even with auto-pipelining)
+    is held back 0.5 s, and the acquiring task is cancelled meanwhile. The give-back waits
+    for that call's reply; before, it went first on another connection and freed the
+    mutex, and the late confirmation then granted it anew to the token nobody had: held for
+    its ttl (5 s) while another client waited."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "1" if autopipe == "on" else "0")
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        name = f"replicated-in-flight-{autopipe}"
+        lock = RedisMutex(client, name, ttl=5, replicas=1, replica_timeout=0.1)
+        await _cancelled_while_held_back(proxy, lambda data: b"WAIT" in data, lock.acquire())
+        await _taken_at_once(
+            RedisMutex(direct, name, ttl=5), "24 follow-up: cancelled replication check", ""
         )
     finally:
         await close_client(client)
