@@ -34,7 +34,7 @@ import redis.exceptions
 
 from . import _telemetry
 from ._context import ClientContext
-from ._leases import cancelling, validity
+from ._leases import Lease, cancelling, validity
 from ._scripts import Script
 from ._waitqueue import Carry, Waiter, Wake
 
@@ -217,9 +217,15 @@ async def acquire(
             if waiter is not None and mode == "wait" and waiter.queued_at == 0.0:
                 waiter.still_queued(sent_at)  # unknown to the server before this call
             dirty = True
+            written: list[float] = []  # when the call went out (behind a burst: later)
             try:
                 reply = await _bounded(
-                    context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
+                    context.run(
+                        spec.acquire,
+                        spec.keys,
+                        (member, mode, spec.channel, *spec.args),
+                        sent=written.append,
+                    ),
                     deadline,
                 )
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
@@ -245,6 +251,7 @@ async def acquire(
                     return _granted(context, spec, token, waiter.fence, waiter.granted_at)
                 continue
             outage, answered = _RETRY_MIN, True
+            sent_at = written[0] if written else sent_at
             status, value = int(reply[0]), int(reply[1])
             if len(reply) > 2:
                 wake_granted(context, spec, reply, 2, sent_at)  # others it let in, maybe local
@@ -389,7 +396,9 @@ async def release(
     carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
     extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
-    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
+    written: list[float] = []  # when the call went out (behind a burst: later)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra, sent=written.append)
+    sent_at = written[0] if written else sent_at
     wake_granted(context, spec, reply, 1, sent_at)
     for waiter in carried:
         if waiter.fence is None:
@@ -400,18 +409,24 @@ async def release(
 
 
 async def release_reply(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *extra: Any
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    *extra: Any,
+    sent: Callable[[float], None] | None = None,
 ) -> tuple[list[Any], bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's)."""
+    off (it may have done the work, and the reply is then the retry's). `sent`: as for
+    `ClientContext.run`."""
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
     context.waitqueue.note_released(spec.channel, token)
     try:
-        return await granting(context, spec, spec.release, args), False
+        return await granting(context, spec, spec.release, args, sent=sent), False
     except _LOST_REPLY:
-        return await granting(context, spec, spec.release, args), True
+        return await granting(context, spec, spec.release, args, sent=sent), True
 
 
 async def granting(
@@ -421,6 +436,7 @@ async def granting(
     args: tuple[Any, ...],
     *,
     retry: bool = False,
+    sent: Callable[[float], None] | None = None,
 ) -> list[Any]:
     """Run a script that may grant to waiters of this client (a release, `set_limit`), once,
     or (`retry`) once more after a connection error.
@@ -431,7 +447,7 @@ async def granting(
     (the acquire script answers "granted" to an owner).
     """
     try:
-        reply: list[Any] = await context.run(script, spec.keys, args, retry=False)
+        reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
         return reply
     except BaseException as exc:
         context.waitqueue.recheck_all(spec.channel)
@@ -479,18 +495,61 @@ UNANSWERED = Unanswered()
 
 
 async def release_until(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, lease: Lease
 ) -> bool | Unanswered | None:
-    """`release_surely`, waited for until the monotonic time `until` at most (a lease's
-    validity): past it the answer is UNANSWERED and the release goes on in the background."""
+    """`release_surely`, waited for while `lease` is known valid: past that the answer is
+    UNANSWERED and the release goes on in the background.
+
+    The keeper goes on renewing `lease` until the release is answered, so a release queued
+    behind a burst (more calls than the link carries at once) keeps its lease and is
+    answered, however long it waits; only a Redis that answers nothing, renewals included,
+    runs the validity out. A loss the keeper finds meanwhile is reported by the release's
+    answer (or by its validity ending), not by the keeper."""
+    lease.on_lost = _told_by_the_release
     try:
-        return await _bounded(release(context, spec, token, ttl_ms, carry=True), until)
+        async with asyncio.timeout(None) as scope:
+            bound = _ValidityBound(scope, lease)
+            try:
+                return await release(context, spec, token, ttl_ms, carry=True)
+            finally:
+                bound.cancel()
+                context.keeper.drop(lease)
     except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic())
         return UNANSWERED
     except asyncio.CancelledError:
-        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE))
+        until = max(lease.valid_until, time.monotonic() + GRACE)
+        await withdraw(context, spec, token, ttl_ms, until)
         raise
+
+
+def _told_by_the_release(reason: str) -> None:
+    """A lease being released is not reported lost by the keeper (see `release_until`)."""
+
+
+class _ValidityBound:
+    """Expires a timeout scope when its lease's validity ends, following the validity as
+    the keeper moves it later: one timer, re-armed once per renewal at most."""
+
+    __slots__ = ("handle", "lease", "scope")
+
+    def __init__(self, scope: asyncio.Timeout, lease: Lease) -> None:
+        self.scope = scope
+        self.lease = lease
+        self.handle = self._arm()
+
+    def _arm(self) -> asyncio.TimerHandle:
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (self.lease.valid_until - time.monotonic()), self._due)
+
+    def _due(self) -> None:
+        if self.lease.valid_until > time.monotonic():
+            self.handle = self._arm()  # renewed meanwhile
+        else:
+            self.scope.reschedule(asyncio.get_running_loop().time())
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 async def withdraw(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,13 +79,20 @@ def command(
 class _Call:
     """One script call on its way: what to run, and the caller's future."""
 
-    __slots__ = ("by_source", "future", "retry", "staged")
+    __slots__ = ("by_source", "future", "retry", "sent", "staged")
 
-    def __init__(self, staged: Staged, retry: bool, future: asyncio.Future[Any]) -> None:
+    def __init__(
+        self,
+        staged: Staged,
+        retry: bool,
+        future: asyncio.Future[Any],
+        sent: Callable[[float], None] | None = None,
+    ) -> None:
         self.staged = staged
         self.retry = retry  # a lost connection may still send it again
         self.by_source = False  # EVAL, after the server answered NOSCRIPT
         self.future = future
+        self.sent = sent  # told the monotonic time each time it is written
 
 
 class _Link:
@@ -154,11 +162,17 @@ class AutoPipeline:
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
-        self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], retry: bool
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        retry: bool,
+        sent: Callable[[float], None] | None = None,
     ) -> Any:
-        """Run `script` in the next batch; a connection error is retried once if `retry`."""
+        """Run `script` in the next batch; a connection error is retried once if `retry`.
+        `sent` is told when the call is written (behind a burst, long after this call)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Call((script, keys, args), retry, future))
+        self._queue.append(_Call((script, keys, args), retry, future, sent))
         self._kick()
         return await future
 
@@ -208,10 +222,14 @@ class AutoPipeline:
 
     def _pack(self, connection: AbstractConnection, batch: list[_Call]) -> list[bytes]:
         """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
-        the connection's), with each script's and name's head packed once."""
+        the connection's), with each script's and name's head packed once. It is written
+        next: each call's `sent` is told now."""
         encode = connection.encoder.encode
         parts: list[bytes] = []
+        now = time.monotonic()
         for call in batch:
+            if call.sent is not None:
+                call.sent(now)
             script, keys, args = call.staged
             if call.by_source:
                 parts += connection.pack_command(*command(script, keys, args, by_source=True))

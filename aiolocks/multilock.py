@@ -258,12 +258,11 @@ class RedisMultiLock(LeasedLock):
         self._taken.pop(token, None)
         return await self._release_all(context, self._specs, token)
 
-    async def _release_surely(
-        self, context: ClientContext, token: str, until: float | None = None
-    ) -> bool | None:
-        # Not bounded by `until` (the leases' validity) yet: one release call per name.
-        self._taken.pop(token, None)
-        return await _acquire.completed(self._release_all(context, self._specs, token))
+    async def _release_surely(self, context: ClientContext, holding: Holding) -> bool | None:
+        # Not bounded by the leases' validity yet: one release call per name.
+        self._stop_renewal(context, holding)
+        self._taken.pop(holding.token, None)
+        return await _acquire.completed(self._release_all(context, self._specs, holding.token))
 
     # -- what the server says ------------------------------------------------------------
 
