@@ -19,7 +19,7 @@ from _probes import Renewals
 from _servers import ServerProcess
 
 from aiolocks import RedisMutex, _telemetry
-from aiolocks._context import context_for
+from aiolocks._context import AUTOPIPELINE_ENV, context_for
 from aiolocks._leases import Lease
 
 
@@ -45,18 +45,29 @@ async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Re
 def link_held(
     client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[[], None]]:
-    """Hold `client`'s auto-pipeline full: calls queue, none is written, until the function
-    given is called (or the block ends)."""
-    pipeline = context_for(client).autopipe
-    assert pipeline is not None
+    """Hold `client`'s link: calls queue (in the auto-pipeline, or, with it off, for the
+    in-flight bound), none is written, until the function given is called (or the block
+    ends)."""
+    context = context_for(client)
+    pipeline = context.autopipe
     held = True
-    full = pipeline._full
-    monkeypatch.setattr(pipeline, "_full", lambda: held or full())
+    if pipeline is not None:
+        full = pipeline._full
+        monkeypatch.setattr(pipeline, "_full", lambda: held or full())
+    else:
+        slots = asyncio.Semaphore(0)
+        monkeypatch.setattr(context, "_slots", slots)
 
     def let_go() -> None:
         nonlocal held
+        if not held:
+            return
         held = False
-        pipeline._kick()
+        if pipeline is not None:
+            pipeline._kick()
+        else:
+            for _ in range(64):
+                slots.release()
 
     try:
         yield let_go
@@ -69,18 +80,22 @@ def leases_of(locks: Sequence[RedisMutex]) -> list[Lease]:
     return [lease for lease in leases if lease is not None]
 
 
+@pytest.mark.parametrize("autopipelining", ["1", "0"], ids=["autopipe", "no-autopipe"])
 async def test_acquisitions_queued_behind_a_burst_count_their_lease_from_when_they_go_out(
-    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, autopipelining: str
 ) -> None:
     """300 acquisitions queued for longer than half their ttl before they go out: one call
     each, and each lease has more than half its ttl left. Before, a lease counted from
     when its call was queued: each of these re-ran the acquire script to confirm its grant
-    (600 calls), and behind a larger burst up to 3 times, which made the burst larger."""
+    (600 calls), and behind a larger burst up to 3 times, which made the burst larger.
+    With auto-pipelining off the calls queue for the in-flight bound instead."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, autopipelining)
     ttl, count = 2.0, 300
     locks = [RedisMutex(client, f"burst:{i}", ttl=ttl) for i in range(count)]
     async with RedisMutex(client, "warm", ttl=ttl):  # scripts known, context made
         pass
     context = context_for(client)
+    assert (context.autopipe is None) == (autopipelining == "0")
     with link_held(client, monkeypatch) as let_go:
         before = context.commands_sent
         acquiring = asyncio.gather(*(lock.acquire() for lock in locks))
