@@ -445,7 +445,7 @@ def _scale_burst(data: dict[str, Any]) -> str:
                 _num(row["release_s"], 2),
                 _num(row["unconfirmed"]),
                 _num(row["lost"]),
-                _num(row["keeper_cpu_us_per_renewal"], 1),
+                _num(row["keeper_cpu_us_per_renewal"] if row["keeper_renewals"] else None, 1),
                 _num(row["keeper_cpu_share"], 3),
                 f"{_num(row['acquire_loop_stall_max_s'], 1)} / "
                 f"{_num(row['release_loop_stall_max_s'], 1)}",
