@@ -51,6 +51,14 @@ MAX_BATCHES = 2
 MAX_BATCH = 512
 # A link with nothing to do gives its connection back to the pool after this long.
 IDLE_S = 5.0
+# How long `aclose()` waits for the replies of batches on their way before it closes the link.
+CLOSE_BOUND = 1.0
+# A direct link on a connection without a socket_timeout waits this long at most for a
+# reply before it is broken (its calls then go once more on a new connection, as on a lost
+# connection). One blackholed connection (a peer gone without a reset) would otherwise hold
+# every script call of the client for as long as TCP takes to give up (minutes). Longer
+# than a server stalls in normal use (a failover's CLIENT PAUSE, a slow script).
+STALL_BOUND = 10.0
 # Replies parsed in the transport's callback (see `_Replies`); off: a reader task reads
 # them through redis-py, as on connections that are not plain sockets (for tests).
 DIRECT_READS = True
@@ -540,14 +548,25 @@ class AutoPipeline:
         self._queue.extendleft(reversed(again))
 
     async def aclose(self) -> None:
-        """Retire the link: at once if idle, else once the batches on their way are read.
-        No new link is opened afterwards (calls fail as on a lost connection)."""
+        """Retire the link: at once if idle, else once the batches on their way are read,
+        for `CLOSE_BOUND` at most, past which it is closed under them (their callers get
+        the error of a lost connection). No new link is opened afterwards (calls fail as on
+        a lost connection). The pipeline's tasks have ended when this returns: it may be
+        the last thing to run before the event loop closes."""
         self._closed = True
         link, self._link = self._link, None
-        if link is not None and link.reader is not None:
+        if link is not None:
             link.poke()
-            if not link.pending and not link.sending:
-                await asyncio.gather(link.reader, return_exceptions=True)
+        tasks = [
+            task
+            for task in (self._writer, None if link is None else link.reader)
+            if task is not None and not task.done()
+        ]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_BOUND)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _bulk(value: bytes | memoryview) -> bytes:
@@ -638,7 +657,7 @@ def _read_directly(link: _Link, pipeline: AutoPipeline) -> None:
     link.parser = hiredis.Reader(**options)
     link.transport = transport
     timeout = getattr(connection, "socket_timeout", None)
-    link.timeout = float(timeout) if timeout else None
+    link.timeout = float(timeout) if timeout else STALL_BOUND
     transport.set_protocol(_Replies(pipeline, link, transport.get_protocol()))
 
 
