@@ -145,6 +145,9 @@ class Hub:
             return
         if self._started is None or (self._started.done() and self.state is None):
             self._started = asyncio.ensure_future(self._start())
+            # Its failure is read even when every observer left before it ended (a Ctrl-C
+            # while the first read waits): no "exception was never retrieved" at exit.
+            self._started.add_done_callback(_retrieve)
         try:
             await asyncio.shield(self._started)
         except BaseException:
@@ -253,3 +256,8 @@ def info_fields(state: State) -> dict[str, Any]:
         "fencing_token": state.fence,
         "lease_remaining": max(0.0, state.lease_end - time.monotonic()),
     }
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
