@@ -730,13 +730,15 @@ async def test_a_multi_lock_grant_read_after_a_loop_stall_is_confirmed(
     assert stalled
     holding = lock._current()
     assert holding is not None and holding.lease is not None
-    remaining = holding.lease.remaining
     for name in ("late-a", "late-b"):
         key = f"aiolocks:mutex:{{{name}}}:owner"
         owner = await r.get(key)
         assert owner == holding.token.encode(), f"{name}: the server had ended its lease"
         on_server = int(await r.pttl(key)) / 1000
-        assert remaining <= on_server + 0.05, (name, remaining, on_server)
+        # Read after the server's answer: the local validity may only be shorter (1 ms of
+        # PTTL's rounding), however long the round trips took on a loaded machine.
+        remaining = holding.lease.remaining
+        assert remaining <= on_server + 0.001, (name, remaining, on_server)
     await lock.release()
     record("24.4 multi-lock late grant", trials=1, note=f"confirmed: {remaining:.3f} s left")
 
