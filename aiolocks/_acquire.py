@@ -46,7 +46,7 @@ from ._errors import (
     TIMEOUT_ERRORS,
     TRYAGAIN_ERRORS,
 )
-from ._leases import cancelling, validity
+from ._leases import Lease, cancelling, validity
 from ._scripts import Script
 from ._waitqueue import Carry, Waiter, Wake
 
@@ -58,7 +58,9 @@ __all__ = [
     "completed",
     "release",
     "release_surely",
+    "settled",
     "shielded",
+    "unstopped",
     "withdraw",
 ]
 
@@ -189,6 +191,7 @@ async def acquire(
     unreachable = False
     call = True  # the next step is a call to the acquire script (else: sleep first)
     carrying = False  # waiting for a local holder's release to carry it
+    in_flight: asyncio.Future[Any] | None = None  # its own call, while unanswered
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms, deadline)
@@ -230,11 +233,18 @@ async def acquire(
             if waiter is not None and mode == "wait" and waiter.queued_at == 0.0:
                 waiter.still_queued(sent_at)  # unknown to the server before this call
             dirty = True
+            written: list[float] = []  # when the call went out (behind a burst: later)
             try:
-                reply = await _bounded(
-                    context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
-                    deadline,
+                pending = context.run(
+                    spec.acquire,
+                    spec.keys,
+                    (member, mode, spec.channel, *spec.args),
+                    sent=written.append,
                 )
+                in_flight = unstopped(context, pending)
+                shielded_call = pending if in_flight is None else asyncio.shield(in_flight)
+                reply = await _bounded(shielded_call, deadline)
+                in_flight = None
             except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
                 dirty = answered  # refused before it ran: nothing changed by this call
                 raise
@@ -258,6 +268,7 @@ async def acquire(
                     return _granted(context, spec, token, waiter.fence, waiter.granted_at)
                 continue
             outage, answered = _RETRY_MIN, True
+            sent_at = written[0] if written else sent_at
             status, value = int(reply[0]), int(reply[1])
             grants = 2 if status in (GRANTED, REFUSED) else 3  # queued, busy: then the floor
             if waiter is not None and grants == 3:
@@ -327,7 +338,49 @@ async def acquire(
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
             if unreachable:
                 until = time.monotonic() + GRACE
-            await withdraw(context, spec, token, ttl_ms, until)
+            after = None
+            if in_flight is not None:
+                after = _answered(context, spec, in_flight, sent_at, written)
+            await withdraw(context, spec, token, ttl_ms, until, after=after)
+
+
+def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`call` (a script call that may grant or queue a token) in a task of its own, to await
+    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
+    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
+    Only where the clean-up would not follow it on one connection (auto-pipelining off,
+    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
+    nothing, and the call then grant or queue the departed token for its ttl). None through
+    the auto-pipeline: `call` is awaited as it is."""
+    if context.autopipe is not None:
+        return None
+    return asyncio.ensure_future(call)
+
+
+async def settled(in_flight: asyncio.Future[T]) -> T | None:
+    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
+    lost reply: the clean-up sent next withdraws whatever it did)."""
+    try:
+        return await in_flight
+    except Exception:
+        return None
+
+
+async def _answered(
+    context: ClientContext,
+    spec: Spec,
+    in_flight: asyncio.Future[Any],
+    sent_at: float,
+    written: list[float],
+) -> None:
+    """Wait for the acquire call a departed acquisition left in flight, and wake the local
+    waiters its reply granted (`written`: when the call went out, if it was told)."""
+    reply = await settled(in_flight)
+    if reply is None:
+        return
+    grants = 2 if int(reply[0]) in (GRANTED, REFUSED) else 3
+    if len(reply) > grants:
+        wake_granted(context, spec, reply, grants, written[0] if written else sent_at)
 
 
 def _granted(context: ClientContext, spec: Spec, token: str, fence: int, at: float) -> Grant:
@@ -418,7 +471,9 @@ async def release(
     carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
     extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
-    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
+    written: list[float] = []  # when the call went out (behind a burst: later)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra, sent=written.append)
+    sent_at = written[0] if written else sent_at
     wake_granted(context, spec, reply, 1, sent_at)
     status = int(reply[0])
     for waiter in carried:
@@ -435,11 +490,17 @@ async def release(
 
 
 async def release_reply(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *extra: Any
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    *extra: Any,
+    sent: Callable[[float], None] | None = None,
 ) -> tuple[list[Any], bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's).
+    off (it may have done the work, and the reply is then the retry's). `sent`: as for
+    `ClientContext.run`.
 
     The retry carries nobody: the carried waiters were told to re-check when the first
     reply was lost (`granting`), and queue or find their grant themselves. Carried again,
@@ -449,11 +510,11 @@ async def release_reply(
     args = (member, spec.channel, *spec.args, *extra)
     context.waitqueue.note_released(spec.channel, token)
     try:
-        return await granting(context, spec, spec.release, args), False
+        return await granting(context, spec, spec.release, args, sent=sent), False
     except _LOST_REPLY:
         if extra[:1] == ("carry",):
             args = (member, spec.channel, *spec.args)
-        return await granting(context, spec, spec.release, args), True
+        return await granting(context, spec, spec.release, args, sent=sent), True
 
 
 async def granting(
@@ -463,6 +524,7 @@ async def granting(
     args: tuple[Any, ...],
     *,
     retry: bool = False,
+    sent: Callable[[float], None] | None = None,
 ) -> list[Any]:
     """Run a script that may grant to waiters of this client (a release, `set_limit`), once,
     or (`retry`) once more after a connection error.
@@ -473,7 +535,7 @@ async def granting(
     (the acquire script answers "granted" to an owner).
     """
     try:
-        reply: list[Any] = await context.run(script, spec.keys, args, retry=False)
+        reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
         return reply
     except BaseException as exc:
         context.waitqueue.recheck_all(spec.channel)
@@ -530,19 +592,71 @@ async def release_until(
     ttl_ms: int,
     until: float,
     call: Callable[[], Awaitable[bool | None]] | None = None,
+    lease: Lease | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
     validity): past it the answer is UNANSWERED and the release goes on in the background.
-    `call` replaces the release of `spec` (a multi-lock releases several)."""
+    `call` replaces the release of `spec` (a multi-lock releases several).
+
+    With `lease` (still held by the keeper), the keeper goes on renewing it until the
+    release is answered, and the wait follows its validity as renewals move it: a release
+    queued behind a burst (more calls than the link carries at once) keeps its lease and
+    is answered however long it waits; only a Redis that answers nothing, renewals
+    included, runs the validity out. A loss the keeper finds meanwhile is reported by the
+    release's answer (or by its validity ending), not by the keeper."""
     first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
+    if lease is not None:
+        lease.on_lost = _told_by_the_release
+    bound: _ValidityBound | None = None
     try:
-        return await _bounded(first, until)
+        async with asyncio.timeout(None) as scope:
+            bound = _ValidityBound(scope, until, lease)
+            try:
+                return await first
+            finally:
+                bound.cancel()
+                if lease is not None:
+                    context.keeper.drop(lease)
     except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
-        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE), call)
+        end = until if bound is None else bound.end()
+        await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
         raise
+
+
+def _told_by_the_release(reason: str) -> None:
+    """A lease being released is not reported lost by the keeper (see `release_until`)."""
+
+
+class _ValidityBound:
+    """Expires a timeout scope at `until`, or, given a lease, when its validity ends,
+    following it as the keeper moves it later: one timer, re-armed once per renewal at most."""
+
+    __slots__ = ("handle", "lease", "scope", "until")
+
+    def __init__(self, scope: asyncio.Timeout, until: float, lease: Lease | None) -> None:
+        self.scope = scope
+        self.until = until
+        self.lease = lease
+        self.handle = self._arm()
+
+    def end(self) -> float:
+        return self.until if self.lease is None else max(self.until, self.lease.valid_until)
+
+    def _arm(self) -> asyncio.TimerHandle:
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (self.end() - time.monotonic()), self._due)
+
+    def _due(self) -> None:
+        if self.end() > time.monotonic():
+            self.handle = self._arm()  # renewed meanwhile
+        else:
+            self.scope.reschedule(asyncio.get_running_loop().time())
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 async def withdraw(
@@ -552,13 +666,17 @@ async def withdraw(
     ttl_ms: int,
     until: float | None,
     call: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    after: Awaitable[Any] | None = None,
 ) -> bool:
     """Run the release script for `token` in a task of its own that outlives the caller:
     awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
     the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
-    ttl the server has forgotten the token by itself), and a failure is logged."""
-    task = _background_release(context, spec, token, ttl_ms, call)
+    ttl the server has forgotten the token by itself), and a failure is logged. `after`:
+    awaited first, in that task, for at most as long (the reply of the token's own call in
+    flight, see `_answered`; past it, that call is abandoned and the release sent)."""
+    task = _background_release(context, spec, token, ttl_ms, call, after)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))
@@ -571,13 +689,15 @@ def _background_release(
     token: str,
     ttl_ms: int,
     call: Callable[[], Awaitable[Any]] | None = None,
+    after: Awaitable[Any] | None = None,
 ) -> asyncio.Future[None]:
     """Start `call` (by default the release script for `token`) in a background task that
-    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl)."""
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl);
+    after `after`, if given (awaited for at most as long)."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
-    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
+    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound, after))
     for running in (_BACKGROUND, context.cleanups):
         running.add(task)
         task.add_done_callback(running.discard)
@@ -585,10 +705,19 @@ def _background_release(
 
 
 async def _withdraw(
-    call: Callable[[], Awaitable[Any]], name: str, token: str, bound: float
+    call: Callable[[], Awaitable[Any]],
+    name: str,
+    token: str,
+    bound: float,
+    after: Awaitable[Any] | None = None,
 ) -> None:
     """Run `call` (the release of `token`), trying again (with a back-off) while the server
-    cannot be reached, for at most `bound` seconds."""
+    cannot be reached, for at most `bound` seconds; after `after`, awaited as long at most."""
+    if after is not None:
+        try:
+            await asyncio.wait_for(after, bound)
+        except TimeoutError:
+            log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
     give_up = time.monotonic() + bound
     delay = _RETRY_MIN
     while True:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,11 +55,12 @@ MAX_BATCH = 512
 IDLE_S = 5.0
 # How long `aclose()` waits for the replies of batches on their way before it closes the link.
 CLOSE_BOUND = 1.0
-# A direct link on a connection without a socket_timeout waits this long at most for a
-# reply before it is broken (its calls then go once more on a new connection, as on a lost
-# connection). One blackholed connection (a peer gone without a reset) would otherwise hold
-# every script call of the client for as long as TCP takes to give up (minutes). Longer
-# than a server stalls in normal use (a failover's CLIENT PAUSE, a slow script).
+# A link on a connection without a socket_timeout waits this long at most for a reply
+# before it is broken (its calls then go once more on a new connection, as on a lost
+# connection): a direct link since it last had a reply, a reader task per reply read. One
+# blackholed connection (a peer gone without a reset) would otherwise hold every script
+# call of the client for as long as TCP takes to give up (minutes). Longer than a server
+# stalls in normal use (a failover's CLIENT PAUSE, a slow script).
 STALL_BOUND = 10.0
 # Replies parsed in the transport's callback (see `_Replies`); off: a reader task reads
 # them through redis-py, as on connections that are not plain sockets (for tests).
@@ -88,13 +90,20 @@ def command(
 class _Call:
     """One script call on its way: what to run, and the caller's future."""
 
-    __slots__ = ("by_source", "future", "retry", "staged")
+    __slots__ = ("by_source", "future", "retry", "sent", "staged")
 
-    def __init__(self, staged: Staged, retry: bool, future: asyncio.Future[Any]) -> None:
+    def __init__(
+        self,
+        staged: Staged,
+        retry: bool,
+        future: asyncio.Future[Any],
+        sent: Callable[[float], None] | None = None,
+    ) -> None:
         self.staged = staged
         self.retry = retry  # a lost connection may still send it again
         self.by_source = False  # EVAL, after the server answered NOSCRIPT
         self.future = future
+        self.sent = sent  # told the monotonic time each time it is written
 
 
 class _Link:
@@ -164,11 +173,17 @@ class AutoPipeline:
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
-        self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], retry: bool
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        retry: bool,
+        sent: Callable[[float], None] | None = None,
     ) -> Any:
-        """Run `script` in the next batch; a connection error is retried once if `retry`."""
+        """Run `script` in the next batch; a connection error is retried once if `retry`.
+        `sent` is told when the call is written (behind a burst, long after this call)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Call((script, keys, args), retry, future))
+        self._queue.append(_Call((script, keys, args), retry, future, sent))
         self._kick()
         return await future
 
@@ -218,10 +233,14 @@ class AutoPipeline:
 
     def _pack(self, connection: AbstractConnection, batch: list[_Call]) -> list[bytes]:
         """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
-        the connection's), with each script's and name's head packed once."""
+        the connection's), with each script's and name's head packed once. It is written
+        next: each call's `sent` is told now."""
         encode = connection.encoder.encode
         parts: list[bytes] = []
+        now = time.monotonic()
         for call in batch:
+            if call.sent is not None:
+                call.sent(now)
             script, keys, args = call.staged
             if call.by_source:
                 parts += connection.pack_command(*command(script, keys, args, by_source=True))
@@ -414,6 +433,8 @@ class AutoPipeline:
     async def _read(self, link: _Link) -> None:
         """Read the replies of `link`'s batches in order and hand each to its caller (a
         direct link's are parsed as they arrive: there it only waits), then retire it."""
+        # redis-py bounds a read by the connection's socket_timeout; STALL_BOUND without.
+        bound = None if getattr(link.connection, "socket_timeout", None) else STALL_BOUND
         try:
             while await self._next(link):
                 batch = link.pending[0]
@@ -424,9 +445,13 @@ class AutoPipeline:
                         if link.broken is not None:
                             raise link.broken
                         try:
-                            result = await link.connection.read_response()
+                            async with asyncio.timeout(bound):
+                                result = await link.connection.read_response()
                         except RESPONSE_ERRORS as exc:
                             result = exc
+                        except TimeoutError:  # STALL_BOUND (redis-py closed the connection)
+                            stalled = redis.exceptions.TimeoutError("Timeout reading from socket")
+                            raise stalled from None
                         answered += 1
                         self._settle(call, result, again)
                 finally:

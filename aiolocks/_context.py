@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -160,8 +161,11 @@ class ClientContext:
         args: tuple[Any, ...],
         *,
         retry: bool = True,
+        sent: Callable[[float], None] | None = None,
     ) -> Any:
         """EVALSHA `script`; EVAL it (which also caches it) if the server does not know it.
+        `sent` is told the monotonic time whenever the call is written (a call queued
+        behind a burst goes out later than it is made).
 
         EVAL rather than SCRIPT LOAD: it goes where the keys are (on Cluster, the node
         owning their slot; SCRIPT LOAD has no key to route by), in one round trip.
@@ -177,22 +181,30 @@ class ClientContext:
         await self._ready()
         before = _cancel.pending()
         if self.autopipe is not None:
-            reply = await self.autopipe.call(script, keys, args, retry)
+            reply = await self.autopipe.call(script, keys, args, retry, sent)
         else:
             async with self._slots:
                 try:
-                    reply = await self._evalsha(script, keys, args)
+                    reply = await self._evalsha(script, keys, args, sent)
                 except (*CONNECTION_ERRORS, *TIMEOUT_ERRORS):
                     if not retry:
                         raise
-                    reply = await self._evalsha(script, keys, args)
+                    reply = await self._evalsha(script, keys, args, sent)
         _cancel.redeliver(before)
         return reply
 
     def _count_sent(self, commands: int) -> None:
         self.commands_sent += commands
 
-    async def _evalsha(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    async def _evalsha(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        sent: Callable[[float], None] | None = None,
+    ) -> Any:
+        if sent is not None:
+            sent(time.monotonic())
         self.commands_sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))

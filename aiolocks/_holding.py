@@ -303,12 +303,17 @@ class LeasedLock:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it
         back and raise `NotReplicated` if they do not within `replica_timeout`."""
         given_back = False
+        # The acquire script again (it may grant the token anew), on a pooled connection of
+        # its own even with auto-pipelining: in a task that leaving does not stop, and the
+        # give-back is sent after its reply (`_acquire.unstopped`).
+        confirming = _acquire.confirm(
+            context, self._spec, grant.token, self._ttl_ms, self._replicas,
+            self._replica_timeout_ms,
+        )  # fmt: skip
+        in_flight = asyncio.ensure_future(confirming)
         try:
             with map_redis_errors(self._name):
-                status, acked = await _acquire.confirm(
-                    context, self._spec, grant.token, self._ttl_ms,
-                    self._replicas, self._replica_timeout_ms,
-                )  # fmt: skip
+                status, acked = await asyncio.shield(in_flight)
             if status != _acquire.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
@@ -327,10 +332,10 @@ class LeasedLock:
                 )
         except BaseException:
             if not given_back:
-                await _acquire.shielded(
-                    lambda: _acquire.release(context, self._spec, grant.token, self._ttl_ms),
-                    _acquire.CLEANUP_BOUND,
-                )
+                await _acquire.withdraw(
+                    context, self._spec, grant.token, self._ttl_ms, None,
+                    after=_acquire.settled(in_flight),
+                )  # fmt: skip
             raise
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
@@ -399,9 +404,9 @@ class LeasedLock:
         self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if not self._local_handoff:
-            self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
+            if not self._local_handoff:
+                self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
             until = time.monotonic() + _acquire.GRACE
@@ -417,8 +422,7 @@ class LeasedLock:
             else:
                 # Waited for no longer than the lease is known valid: past that, whether it
                 # was released or lost cannot be told, and the report must not wait.
-                valid_until = None if holding.lease is None else holding.lease.valid_until
-                answer = await self._release_surely(context, holding.token, valid_until)
+                answer = await self._release_surely(context, holding)
                 if isinstance(answer, _acquire.Unanswered):
                     holding.lost_reason = (
                         "Redis did not answer its release before the lease's validity ended "
@@ -485,13 +489,19 @@ class LeasedLock:
         token = secrets.token_hex(16)
         script, keys = self._adopt_call()
         sent_at = time.monotonic()
+        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
+        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             with map_redis_errors(self._name):
-                taken = await context.run(script, keys, (handle.token, token, self._ttl_ms))
+                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
         except BaseException:
-            # The script may have run: give back what the new token may hold.
-            await _acquire.shielded(
-                lambda: self._release_call(context, token), _acquire.CLEANUP_BOUND
+            # The script may have run: give back what the new token may hold (after its
+            # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
+            # background.
+            release = functools.partial(self._release_call, context, token)
+            after = None if in_flight is None else _acquire.settled(in_flight)
+            await _acquire.withdraw(
+                context, self._spec, token, self._ttl_ms, None, release, after=after
             )
             raise
         if not int(taken):
@@ -526,14 +536,19 @@ class LeasedLock:
         return await _acquire.release(context, self._spec, token, self._ttl_ms)
 
     async def _release_surely(
-        self, context: ClientContext, token: str, until: float | None = None
+        self, context: ClientContext, holding: Holding
     ) -> bool | _acquire.Unanswered | None:
-        """`_release_call`, completed even if the caller is cancelled meanwhile; waited for
-        until the monotonic time `until` at most (`Unanswered` past it, the release going on
-        in the background)."""
-        if until is None:
-            return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
-        return await _acquire.release_until(context, self._spec, token, self._ttl_ms, until)
+        """`_release_call` for `holding`, completed even if the caller is cancelled
+        meanwhile; its lease is renewed until the release is answered, which is waited for
+        while the lease is known valid (`Unanswered` past it, the release going on in the
+        background)."""
+        if holding.lease is None:
+            self._stop_renewal(context, holding)
+            return await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
+        lease = holding.lease
+        return await _acquire.release_until(
+            context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
+        )
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other

@@ -215,8 +215,8 @@ class Hub:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if at is None or self.closed:
-            return
+        if at is None or self.closed or self._context.closed:
+            return  # nothing to watch, or the engine has stopped (its loop is ending)
         loop = asyncio.get_running_loop()
         delay = max(0.0, at - time.monotonic()) + _MARGIN
         self._timer = loop.call_later(delay, self._refresh, False)
@@ -238,6 +238,8 @@ class Hub:
                 # Unreachable for now: try again after a back-off (the notifier's re-sync
                 # after its reconnect usually comes first), and show the state again then.
                 log.debug("aiolocks: reading election %r failed: %r", self._channel, exc)
+                if self.closed or self._context.closed:
+                    return  # nobody to tell, or the engine has stopped: no retry timer
                 loop = asyncio.get_running_loop()
                 self._timer = loop.call_later(self._retry, self._refresh, True)
                 self._retry = min(self._retry * 2, _RETRY_MAX)
