@@ -1,5 +1,5 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
-(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`).
+(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
@@ -21,6 +21,16 @@ def tests(session: nox.Session) -> None:
     """Run the test suite: `nox -s tests -- -k mutex -x`."""
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def simulate(session: nox.Session) -> None:
+    """The deterministic simulation (tests/sim/): `nox -s simulate -- --seed N` replays one
+    seed with its trace, `-- --minutes M` runs new seeds for M minutes (the default: one),
+    `-- --scenario NAME` one of issue 24's scenarios (`-- --list`)."""
+    session.install("-e", ".[test]")
+    args = session.posargs or ["--minutes", "1"]
+    session.run("python", "-m", "tests.sim", *args, env={"PYTHONHASHSEED": "0"})
 
 
 @nox.session

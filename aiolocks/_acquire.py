@@ -450,7 +450,7 @@ def wake_granted(
     for at in range(start, len(reply) - 2, 3):
         if lot is not None:
             lot.note_lease(int(reply[at + 2]), grant=True)
-        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]), sent_at)
+        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]), sent_at, spec.channel)
 
 
 async def release_surely(

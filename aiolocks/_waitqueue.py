@@ -290,11 +290,17 @@ class WaitQueue:
         elif was_head:
             lot._promoted()  # the lot's timer serves the new head: no wake
 
-    def unpark(self, token: str, fence: int, after: float | None = None) -> bool:
+    def unpark(
+        self, token: str, fence: int, after: float | None = None, channel: bytes | None = None
+    ) -> bool:
         """Deliver a grant to the waiter holding `token` (`after`: a moment known to precede
-        the grant); False if it is not ours."""
+        the grant); False if it is not ours. `channel`: the name's the grant is for; a
+        multi-lock's one token waits on one name at a time, and a late grant of another of
+        its names must not wake that waiter."""
         waiter = self._by_token.get(token)
         if waiter is None:
+            return False
+        if channel is not None and waiter.lot.channel != channel:
             return False
         if waiter.lot.carries:
             self.note_held(waiter.lot.channel, token)
