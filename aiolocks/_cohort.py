@@ -199,6 +199,13 @@ class Cohort:
                 return await _acquire.release(
                     self._context, self._spec, holding.token, self._ttl_ms
                 )
+            lease = self._lease
+            if lease is not None and lease.remaining <= 0:
+                # Its validity ended unrenewed (a stalled loop): not passed on locally (the
+                # server may have ended it), but given back; the holder learns it is lost,
+                # as a mutex holder releasing past its validity does.
+                await self._return(holding.token)
+                return False
             waiter = self._next_waiter()
             if waiter is not None and self.passes < self.bound:
                 self._pass(waiter, lock._spec)

@@ -51,6 +51,7 @@ SCENARIOS = {
     "multilock-bounds": "bug 4: RedisMultiLock ignores the engine's bounds",
     "failed-config-get": "bug 5: one failed CONFIG GET ends a queued acquisition",
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
+    "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
 }
 
 

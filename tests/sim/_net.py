@@ -92,6 +92,11 @@ class SimSocket(FakeSocket):
         if net.intercept is not None and net.intercept(self.conn, fields):
             self.conn.reset(f"injected at {fields[0].decode()} {fields[1:2]!r}")
             return
+        if len(fields) == 3 and fields[0].upper() == b"CONFIG" and fields[1].upper() == b"GET":
+            # fakeredis has no CONFIG GET: answer the one the engine asks, from the config.
+            value = self._server.config.get(fields[2].lower())
+            self.put_response([] if value is None else [fields[2], value])
+            return
         super()._process_command(fields)
 
 
@@ -165,14 +170,26 @@ class Net:
     def command(self, conn: Conn, fields: list[bytes]) -> None:
         self.commands += 1
         if self.trace.maxlen:
-            name = fields[0].upper()
-            shown: list[bytes] = list(fields[:6])
-            if name == b"EVALSHA" and len(fields) > 1:
-                shown[1] = self.scripts.get(fields[1], fields[1][:8].decode()).encode()
-            elif name == b"EVAL" and len(fields) > 1:
-                shown[1] = b"<source>"
-            text = " ".join(_short(f) for f in shown)
-            self.log(f"{conn.proc.name} c{conn.id} > {text}{' ...' if len(fields) > 6 else ''}")
+            self.log(f"{conn.proc.name} c{conn.id} > {self._describe(fields)}")
+
+    def _describe(self, fields: list[bytes]) -> str:
+        """A command for the trace: a script by name, with the names its keys are of and
+        its arguments (each shortened)."""
+        name = fields[0].upper()
+        if name in (b"EVALSHA", b"EVAL") and len(fields) > 2 and fields[2].isdigit():
+            script = (
+                self.scripts.get(fields[1], fields[1][:8].decode())
+                if name == b"EVALSHA"
+                else f"EVAL({self.scripts.get(_sha1(fields[1]), '?')})"
+            )
+            count = int(fields[2])
+            keys = fields[3 : 3 + count]
+            tags = sorted({k.split(b"{", 1)[-1].split(b"}", 1)[0].decode() for k in keys})
+            args = " ".join(_short(a, 48) for a in fields[3 + count : 3 + count + 6])
+            more = " ..." if len(fields) > 3 + count + 6 else ""
+            return f"{script} {{{','.join(tags)}}} {args}{more}"
+        text = " ".join(_short(f) for f in fields[:8])
+        return text + (" ..." if len(fields) > 8 else "")
 
     def deliver_all(self) -> None:
         """Send every socket's pending replies and messages down its connection."""
@@ -267,6 +284,12 @@ class _Operator:
 
     def reset(self, why: str) -> None:
         pass
+
+
+def _sha1(source: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.sha1(source).hexdigest().encode()
 
 
 def _short(value: bytes, limit: int = 60) -> str:

@@ -369,3 +369,40 @@ async def multilock_grant_for_another_name(scene: Scene) -> None:
     await asyncio.sleep(0.05)
     scene.start(a, multi(), "A")
     await asyncio.sleep(8)
+
+
+@scenario
+async def cohort_pass_after_validity(scene: Scene) -> None:
+    """Found by the simulation (seed 113): a `local_handoff` holder whose lease's validity
+    ended during a loop stall released it to the next local task (no round trip, an old
+    fence), after another process had taken the name: that task was told it held a lease
+    already over, with a fence below the other holder's, and the releaser was not told of
+    its loss."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    lock = RedisMutex(clients[p], "m", ttl=1.0, local_handoff=2)
+    scene.run.strict = set()
+
+    async def first() -> None:
+        hold = await scene.acquire(p, lock, "P1", kind="cohort")
+        scene.start(p, second(), "P2")
+        await asyncio.sleep(0.15)  # the loop stalls meanwhile: this ends first after it
+        await scene.release(p, lock, hold, "P1")
+
+    async def second() -> None:
+        hold = await scene.acquire(p, lock, "P2", kind="cohort", timeout=5)
+        await asyncio.sleep(0.05)
+        await scene.release(p, lock, hold, "P2")
+
+    async def other() -> None:
+        await asyncio.sleep(1.2)
+        other_lock = RedisMutex(clients[q], "m", ttl=1.0)
+        hold = await scene.acquire(q, other_lock, "Q", timeout=5)
+        await asyncio.sleep(0.2)
+        await scene.release(q, other_lock, hold, "Q")
+
+    scene.start(p, first(), "P1")
+    scene.start(q, other(), "Q")
+    await asyncio.sleep(0.1)
+    scene.world.stall(p, 1.5)  # P's lease ends on the server meanwhile, and Q takes it
+    await asyncio.sleep(6)

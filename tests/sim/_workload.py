@@ -23,7 +23,6 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._context import _ATTRIBUTE
 
 from ._loop import Proc, proc_of_task
 from ._world import (
@@ -188,7 +187,10 @@ class Run:
         except ServerUnavailable:
             got = False
             self.check_call_time(
-                proc, start, TRY_BOUND if not blocking else None, f"acquire {res.kind} {res.names}"
+                proc,
+                start,
+                try_bound(proc) if not blocking else None,
+                f"acquire {res.kind} {res.names}",
             )
             return
         except LockLost:
@@ -197,7 +199,7 @@ class Run:
         finally:
             if watched:
                 world.waiting.get(res.names[0], {}).pop(task, None)
-        limit = timeout if timeout is not None else (TRY_BOUND if not blocking else None)
+        limit = timeout if timeout is not None else (try_bound(proc) if not blocking else None)
         self.check_call_time(
             proc,
             start,
@@ -288,8 +290,8 @@ class Run:
         assert task is not None
         try:
             await lock.adopt(handle)
-        except LockLost:
-            return
+        except (LockLost, ServerUnavailable):
+            return  # ended (or adopted) already; or the server is down (a restart)
         hold = self.record(proc, worker, res, lock, "", task, adopted=True)
         await self.hold_and_release(proc, res, lock, hold, rng)
 
@@ -302,7 +304,7 @@ class Run:
         hold: Hold | None = None
         try:
             async with election.campaign(f"{proc.name}-{worker}", timeout=timeout) as term:
-                self.check_call_time(proc, start, timeout or TRY_BOUND, "campaign")
+                self.check_call_time(proc, start, timeout or try_bound(proc), "campaign")
                 holding = term._holding
                 hold = Hold(
                     kind="election", names=res.names, proc=proc, task=f"w{worker}",
@@ -319,7 +321,7 @@ class Run:
                     hold.released_at = loop.time()
         except (LockTimeout, ServerUnavailable):
             if hold is None:
-                self.check_call_time(proc, start, timeout or TRY_BOUND, "campaign")
+                self.check_call_time(proc, start, timeout or try_bound(proc), "campaign")
         except LockLost:
             pass
 
@@ -451,7 +453,7 @@ class Run:
             self.orphan_since.pop(name, None)
         free = bool(waiting) and owner is None
         if free:
-            tags = self.tags()
+            tags = world.tags()
             zset = net.value(prefix + b"waiters")
             now_ms = net.now_ms()
             for score, member in getattr(zset, "_byscore", ()):
@@ -502,12 +504,10 @@ class Run:
             f"{token[:8]}, which no task there holds, while {len(waiting)} wait(s)"
         )
 
-    def tags(self) -> dict[str, Proc]:
-        tags = {}
-        for proc, client in self.world.clients.items():
-            for context in getattr(client, _ATTRIBUTE, {}).values():
-                tags[context.waitqueue.tag] = proc
-        return tags
+
+def try_bound(proc: Proc) -> float:
+    """How long a `blocking=False` try may take: the client's socket_timeout, or 2 s."""
+    return getattr(proc, "socket_timeout", None) or TRY_BOUND
 
 
 def _dead(task: asyncio.Task[Any]) -> bool:

@@ -18,6 +18,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from aiolocks._context import _ATTRIBUTE
+
 from ._loop import PROCESS, Proc, VirtualLoop, in_process, proc_of_task
 from ._net import Net
 from ._patches import Recorder, install, lapse
@@ -116,6 +118,7 @@ class World:
     ) -> Proc:
         proc = Proc(name)
         proc.autopipe = autopipe  # type: ignore[attr-defined]
+        proc.socket_timeout = socket_timeout  # type: ignore[attr-defined]
         self.procs.append(proc)
         kwargs: dict[str, Any] = {"socket_timeout": socket_timeout}
         if retry:
@@ -318,9 +321,25 @@ class World:
     def check_end(self, ttl_max: float) -> None:
         """Nothing left behind: no key without expiry, no live process's queue entry now;
         no key at all, no task, no timer after the idle window."""
+        tags = self.tags()
         for key, item in self.net.live_items():
             if item.expireat is None:
                 self.violate(f"LEFTOVER key without expiry: {key!r}")
+            if key.endswith(b":waiters"):
+                for deadline, member in getattr(item.value, "_byscore", ()):
+                    if deadline < self.net.now_ms():
+                        continue  # dead on the server already: the next script purges it
+                    proc = tags.get(member.split(b":")[2].decode())
+                    if proc is not None and not proc.dead:
+                        self.violate(f"LEFTOVER queue entry of {proc.name} in {key!r}: {member!r}")
+
+    def tags(self) -> dict[str, Proc]:
+        """Each live client's queue-entry tag (see `WaitQueue.member`) -> its process."""
+        tags = {}
+        for proc, client in self.clients.items():
+            for context in getattr(client, _ATTRIBUTE, {}).values():
+                tags[context.waitqueue.tag] = proc
+        return tags
 
     async def settle(self, ttl_max: float) -> None:
         """Close every live client and wait out the engine's idle windows and the keys'
