@@ -8,12 +8,15 @@ them. Script conventions (see `_scripts/*.lua`):
   caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
   published, as the caller wakes that waiter from the reply.
 - acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args; returns
-  {1, fence} granted, {0, wait_ms} queued, {-1, wait_ms} busy and not queued (wait_ms:
-  until the first lease in the way ends, -1 unknown), {-2, value} refused: the stored
-  configuration differs (e.g. a semaphore's limit), nothing changed.
+  {1, fence, grants...} granted, {0, wait_ms, floor, grants...} queued, {-1, wait_ms,
+  floor, grants...} busy and not queued (wait_ms: until the first lease in the way ends,
+  -1 unknown; floor: the name's fence floor, above every fence handed out before the call
+  and below every later one: a grant of the token at or below it is stale), {-2, value}
+  refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
   whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
-  with every grant it made.
+  with every grant it made ({-1, pttl} for a mutex release with 'carry' that did not hold
+  it and queued the carried members behind another holder: that lease's end).
 - renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
   ARGV = token, ttl_ms; returns 1 while still held.
 - heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
@@ -178,8 +181,7 @@ async def acquire(
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms, deadline)
-            await context.notifier.retain(spec.channel, spec.watch_key)
-            retained = True
+            retained = await _retain(context, spec, deadline)
             mode = "wait"
         outage = _RETRY_MIN
         answered = False  # the server has answered this acquisition at least once
@@ -246,8 +248,11 @@ async def acquire(
                 continue
             outage, answered = _RETRY_MIN, True
             status, value = int(reply[0]), int(reply[1])
-            if len(reply) > 2:
-                wake_granted(context, spec, reply, 2, sent_at)  # others it let in, maybe local
+            grants = 2 if status in (GRANTED, REFUSED) else 3  # queued, busy: then the floor
+            if waiter is not None and grants == 3:
+                waiter.not_holding(int(reply[2]))  # drops a grant this answer overtook
+            if len(reply) > grants:
+                wake_granted(context, spec, reply, grants, sent_at)  # others, maybe local
             if status == GRANTED:
                 if late.confirm(sent_at, waiter):
                     continue  # answered after a stall: re-run (it re-arms the lease)
@@ -276,8 +281,7 @@ async def acquire(
                     return miss
             if waiter is None:
                 waiter = _park(context, spec, token, ttl_ms, deadline)
-                await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
-                retained = True
+                retained = await _retain(context, spec, deadline)
                 mode = "wait"
                 may_defer = True
                 continue
@@ -299,6 +303,14 @@ async def acquire(
         if retained:
             context.notifier.release(spec.channel)
         if dirty:
+            if context.autopipe is None:
+                # Its clean-up may overtake, on another connection, a call that grants or
+                # queues it (through the auto-pipeline, one connection keeps their order): a
+                # grant read for it from now on is handed on. Past the ttl (and the bound of
+                # a clean-up) any entry such a call left has been purged.
+                within = ttl_ms / 1000.0 + CLEANUP_BOUND
+                hand_on = functools.partial(_background_release, context, spec, token, ttl_ms)
+                context.waitqueue.depart(token, within, hand_on)
             # Awaited until the caller's deadline (a little past it), or, without one, up to
             # CLEANUP_BOUND; past that it goes on in the background.
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
@@ -326,6 +338,12 @@ async def _carried(context: ClientContext, waiter: Waiter) -> Wake:
             continue  # taken just as the wait ran out: its release's answer wakes it
         context.waitqueue.undefer(waiter)  # it calls now (no-op if a release took it)
         return wake if wake in (Wake.GRANTED, Wake.DEADLINE) else Wake.RECHECK
+
+
+def late_grant(granted_at: float, ttl_ms: int) -> bool:
+    """A grant whose lease, counted from `granted_at`, has less than half its validity left:
+    to be confirmed with the server before it is reported (see `_Late`)."""
+    return _Late(ttl_ms).confirm(granted_at, None)
 
 
 class _Late:
@@ -391,11 +409,17 @@ async def release(
     sent_at = time.monotonic()
     reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
     wake_granted(context, spec, reply, 1, sent_at)
+    status = int(reply[0])
     for waiter in carried:
         if waiter.fence is None:
             waiter.still_queued(sent_at)  # queued by this release: it sleeps on, unwoken
+            if status == BUSY:  # behind another holder (the releaser had lost it)
+                pttl = int(reply[1])
+                waiter.lot.note_lease(pttl if pttl >= 0 else waiter.ttl_ms)
+    if status == BUSY:
+        reply = reply[:1]  # no grants, only that holder's lease
     _telemetry.on_handoff(spec, (len(reply) - 1) // 3)  # a carried grant is one too
-    held = int(reply[0]) == 1
+    held = status == 1
     return None if unsure and not held else held
 
 
@@ -404,13 +428,20 @@ async def release_reply(
 ) -> tuple[list[Any], bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's)."""
+    off (it may have done the work, and the reply is then the retry's).
+
+    The retry carries nobody: the carried waiters were told to re-check when the first
+    reply was lost (`granting`), and queue or find their grant themselves. Carried again,
+    one that the first call granted and that has since released would be granted anew.
+    """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
     context.waitqueue.note_released(spec.channel, token)
     try:
         return await granting(context, spec, spec.release, args), False
     except _LOST_REPLY:
+        if extra[:1] == ("carry",):
+            args = (member, spec.channel, *spec.args)
         return await granting(context, spec, spec.release, args), True
 
 
@@ -448,9 +479,12 @@ def wake_granted(
     was sent, a moment that precedes its grants."""
     lot = context.waitqueue.lot(spec.channel)
     for at in range(start, len(reply) - 2, 3):
+        token, fence = _text(reply[at]), int(reply[at + 1])
+        if context.waitqueue.stale(token, fence):
+            continue  # ended since: a later answer found the token not holding
         if lot is not None:
             lot.note_lease(int(reply[at + 2]), grant=True)
-        context.waitqueue.unpark(_text(reply[at]), int(reply[at + 1]), sent_at, spec.channel)
+        context.waitqueue.unpark(token, fence, sent_at, spec.channel)
 
 
 async def release_surely(
@@ -479,17 +513,24 @@ UNANSWERED = Unanswered()
 
 
 async def release_until(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float,
+    call: Callable[[], Awaitable[bool | None]] | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
-    validity): past it the answer is UNANSWERED and the release goes on in the background."""
+    validity): past it the answer is UNANSWERED and the release goes on in the background.
+    `call` replaces the release of `spec` (a multi-lock releases several)."""
+    first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
     try:
-        return await _bounded(release(context, spec, token, ttl_ms, carry=True), until)
+        return await _bounded(first, until)
     except TimeoutError:
-        await withdraw(context, spec, token, ttl_ms, time.monotonic())
+        await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
-        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE))
+        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE), call)
         raise
 
 
@@ -506,16 +547,29 @@ async def withdraw(
     the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
     ttl the server has forgotten the token by itself), and a failure is logged."""
+    task = _background_release(context, spec, token, ttl_ms, call)
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    if not task.done():
+        await completed(asyncio.wait((task,), timeout=wait))
+    return task.done()
+
+
+def _background_release(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[Any]] | None = None,
+) -> asyncio.Future[None]:
+    """Start `call` (by default the release script for `token`) in a background task that
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl)."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
     task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
-    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
-    if not task.done():
-        await completed(asyncio.wait((task,), timeout=wait))
-    return task.done()
+    return task
 
 
 async def _withdraw(
@@ -560,6 +614,26 @@ def _park(
     )
     context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
     return waiter
+
+
+async def _retain(context: ClientContext, spec: Spec, deadline: float | None) -> bool:
+    """Subscribe (`Notifier.retain`) for a parked waiter; False when it holds no reference.
+
+    The notifier tolerates a failed subscription (the waiter wakes on its timer); a failure
+    of what it asks the server first (`CONFIG GET`, once per client) is tolerated the same
+    way: the server has answered this acquisition, and one lost command must not end it.
+    The next waiter asks again.
+    """
+    try:
+        await _bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
+    except TimeoutError:
+        raise  # the caller's deadline (a builtin TimeoutError is an OSError too)
+    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+        raise
+    except (redis.exceptions.RedisError, OSError) as exc:
+        log.debug("aiolocks: no subscription for %r (%r); waiting on its timer", spec.name, exc)
+        return False
+    return True
 
 
 def _text(value: bytes | str) -> str:

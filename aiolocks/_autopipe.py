@@ -50,6 +50,12 @@ MAX_BATCHES = 2
 MAX_BATCH = 512
 # A link with nothing to do gives its connection back to the pool after this long.
 IDLE_S = 5.0
+# A direct link on a connection without a socket_timeout waits this long at most for a
+# reply before it is broken (its calls then go once more on a new connection, as on a lost
+# connection). One blackholed connection (a peer gone without a reset) would otherwise hold
+# every script call of the client for as long as TCP takes to give up (minutes). Longer
+# than a server stalls in normal use (a failover's CLIENT PAUSE, a slow script).
+STALL_BOUND = 10.0
 # Replies parsed in the transport's callback (see `_Replies`); off: a reader task reads
 # them through redis-py, as on connections that are not plain sockets (for tests).
 DIRECT_READS = True
@@ -620,7 +626,7 @@ def _read_directly(link: _Link, pipeline: AutoPipeline) -> None:
     link.parser = hiredis.Reader(**options)
     link.transport = transport
     timeout = getattr(connection, "socket_timeout", None)
-    link.timeout = float(timeout) if timeout else None
+    link.timeout = float(timeout) if timeout else STALL_BOUND
     transport.set_protocol(_Replies(pipeline, link, transport.get_protocol()))
 
 

@@ -32,7 +32,7 @@ from ._waitqueue import WaitQueue
 if TYPE_CHECKING:
     from ._cohort import Cohort
 
-__all__ = ["ClientContext", "context_for"]
+__all__ = ["ClientContext", "context_for", "open_context"]
 
 log = logging.getLogger("aiolocks")
 
@@ -63,6 +63,16 @@ def context_for(client: AnyRedis) -> ClientContext:
         _check_other_loops(client, per_loop, loop)
         context = per_loop[loop] = ClientContext(client)
     return context
+
+
+def open_context(client: AnyRedis) -> ClientContext | None:
+    """The engine state of `client` on the running event loop if it has one, never created
+    (for a callback that may run after the client's engine was closed)."""
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
+        client, _ATTRIBUTE, None
+    )
+    context = None if per_loop is None else per_loop.get(asyncio.get_running_loop())
+    return None if context is None or context.closed else context
 
 
 def _check_other_loops(

@@ -26,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 from . import _acquire, _telemetry
 from ._clients import AnyRedis, ensure_async_client
 from ._cohort import cohort_for, cohort_token
-from ._context import ClientContext, context_for
+from ._context import ClientContext, context_for, open_context
 from ._errors import (
     LockError,
     LockLost,
@@ -259,10 +259,7 @@ class LeasedLock:
         token = secrets.token_hex(16)
         if bound:
             token = cohort_token(token, bound)
-        try_bound = None
-        if not blocking:  # one try, bounded: the server may stall
-            try_bound = _try_bound(self._client)
-            deadline = time.monotonic() + try_bound
+        try_bound, deadline = self._try_deadline(blocking, deadline)
         with map_redis_errors(self._name):
             grant = await _acquire.acquire(
                 context,
@@ -274,19 +271,34 @@ class LeasedLock:
                 respec=lambda: self._spec,
             )
         if isinstance(grant, _acquire.Miss):
-            _last_miss.set(grant)
-            if try_bound is not None and grant.unanswered:
-                raise ServerUnavailable(
-                    self._name,
-                    f"Redis did not answer a try (blocking=False) within {try_bound:g} s "
-                    "(the client's socket_timeout, or "
-                    f"{_acquire.TRY_BOUND:g} s without one)",
-                    token=token,
-                )
+            self._missed(grant, try_bound, token)
             return None
         if self._replicas:
             await self._confirm_replicated(context, grant)
         return grant
+
+    def _try_deadline(
+        self, blocking: bool, deadline: float | None
+    ) -> tuple[float | None, float | None]:
+        """(the try's bound, the deadline): one try (not blocking) waits for the server at
+        most the try bound (`_try_bound`), as the server may stall."""
+        if blocking:
+            return None, deadline
+        try_bound = _try_bound(self._client)
+        return try_bound, time.monotonic() + try_bound
+
+    def _missed(self, miss: _acquire.Miss, try_bound: float | None, token: str) -> None:
+        """An acquisition ended without the primitive: noted for `LockTimeout`'s message; a
+        try the server did not answer within its bound raises `ServerUnavailable`."""
+        _last_miss.set(miss)
+        if try_bound is not None and miss.unanswered:
+            raise ServerUnavailable(
+                self._name,
+                f"Redis did not answer a try (blocking=False) within {try_bound:g} s "
+                "(the client's socket_timeout, or "
+                f"{_acquire.TRY_BOUND:g} s without one)",
+                token=token,
+            )
 
     async def _confirm_replicated(self, context: ClientContext, grant: _acquire.Grant) -> None:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it
@@ -548,6 +560,12 @@ class LeasedLock:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
+        # No longer a local holder whose release would carry later waiters of its name
+        # (its release, if any, carries nobody): they must not wait for it.
+        context = open_context(self._client)
+        if context is not None:
+            for channel in self._held_channels():
+                context.waitqueue.note_released(channel, holding.token)
         holding.lost_reason = reason
         _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()
@@ -559,6 +577,10 @@ class LeasedLock:
                 self._on_lost(self._lost_error(holding))
             except Exception:
                 log.exception("aiolocks: on_lost callback of %r failed", self._name)
+
+    def _held_channels(self) -> tuple[bytes, ...]:
+        """The channels its holdings are noted under as local holders (carrying)."""
+        return (self._spec.channel,)
 
     # -- the current task's holding ----------------------------------------------------
 

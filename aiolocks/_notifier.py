@@ -483,6 +483,8 @@ class Notifier:
         if len(parts) < 3:
             return
         token, fence, ttl = parts[0].decode(), int(parts[1]), int(parts[2])
+        if self._waitqueue.stale(token, fence):
+            return  # ended since: a later answer found the token not holding (issue 24)
         lot = self._waitqueue.lot(wake)
         if lot is not None:
             lot.note_lease(ttl, grant=True)

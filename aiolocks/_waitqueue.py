@@ -14,7 +14,7 @@ import asyncio
 import enum
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["Carry", "Lot", "WaitQueue", "Waiter", "Wake"]
 
@@ -48,6 +48,7 @@ class Waiter:
         "carry",
         "deadline",
         "fence",
+        "floor",
         "granted_at",
         "lot",
         "member",
@@ -65,6 +66,10 @@ class Waiter:
         self.member = member  # its queue entry on the server
         self.deadline = deadline  # the caller's (monotonic), for the whole acquisition
         self.fence: int | None = None
+        # The highest fence floor of a server answer that found it not holding (queued,
+        # busy): a grant at or below it was made before that answer and has been ended since,
+        # so it is never believed (a message or reply that arrives late, issue 24).
+        self.floor = 0
         # A moment (monotonic) known to precede any grant it may get: when a call that
         # found it not granted (its queue call, a heartbeat) was sent. A grant's lease is
         # counted from here, never from when the news arrived (a stalled loop reads late).
@@ -83,9 +88,23 @@ class Waiter:
         if sent_at > self.queued_at:
             self.queued_at = sent_at
 
+    def not_holding(self, floor: int) -> None:
+        """A server answer found it not holding, with the name's fence floor `floor`: a
+        grant at or below it (read before this answer, or arriving after it) is stale."""
+        if floor > self.floor:
+            self.floor = floor
+        if self.fence is not None and self.fence <= floor:
+            self.fence = None
+
+    def stale(self, fence: int) -> bool:
+        """A grant with `fence` was made before an answer that found it not holding."""
+        return fence <= self.floor
+
     def grant(self, fence: int, after: float | None = None) -> None:
         """Its grant arrived; `after` is a moment known to precede it (the granting call's
-        sending), if any."""
+        sending), if any. A stale grant (`stale`) is dropped."""
+        if self.stale(fence):
+            return
         if self.fence is None:
             self.fence = fence
             self.granted_at = max(self.queued_at, after or 0.0)
@@ -239,7 +258,7 @@ class Lot:
 class WaitQueue:
     """All lots of one client: park / unpark(token) / recheck / unpark_all."""
 
-    __slots__ = ("_by_token", "_deferred", "_held", "_lots", "tag")
+    __slots__ = ("_by_token", "_deferred", "_departed", "_held", "_lots", "tag")
 
     def __init__(self) -> None:
         self._lots: dict[bytes, Lot] = {}
@@ -249,6 +268,10 @@ class WaitQueue:
         # release to queue them (see `defer`).
         self._held: dict[bytes, set[str]] = {}
         self._deferred: dict[bytes, dict[str, Waiter]] = {}
+        # Tokens of acquisitions that left with the server maybe holding state for them
+        # (cancelled, timed out): token -> (until when a grant may still come, what hands
+        # such a grant on). See `depart`.
+        self._departed: dict[str, tuple[float, Callable[[], object]]] = {}
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = secrets.token_hex(4)
 
@@ -294,18 +317,37 @@ class WaitQueue:
         self, token: str, fence: int, after: float | None = None, channel: bytes | None = None
     ) -> bool:
         """Deliver a grant to the waiter holding `token` (`after`: a moment known to precede
-        the grant); False if it is not ours. `channel`: the name's the grant is for; a
-        multi-lock's one token waits on one name at a time, and a late grant of another of
-        its names must not wake that waiter."""
+        the grant); False if it is not ours. A stale grant (`Waiter.stale`) is dropped.
+        `channel`: the name's the grant is for; a multi-lock's one token waits on one name
+        at a time, and a late grant of another of its names must not wake that waiter."""
         waiter = self._by_token.get(token)
         if waiter is None:
-            return False
+            departed = self._departed.pop(token, None)
+            if departed is None:
+                return False
+            departed[1]()  # granted after it left: handed on at once
+            return True
         if channel is not None and waiter.lot.channel != channel:
             return False
+        if waiter.stale(fence):
+            return True
         if waiter.lot.carries:
             self.note_held(waiter.lot.channel, token)
         waiter.grant(fence, after)
         return True
+
+    def depart(self, token: str, within: float, hand_on: Callable[[], object]) -> None:
+        """An acquisition of `token` left while the server may still hold state for it; its
+        clean-up is on its way. That clean-up may overtake a call that grants or queues the
+        token (on another connection: a carrying release, without auto-pipelining or on
+        Cluster), so a grant read for `token` in the next `within` seconds calls `hand_on`
+        (which releases it) instead of being ignored for a whole lease."""
+        now = time.monotonic()
+        for old, (until, _) in list(self._departed.items()):
+            if until > now:
+                break  # oldest first (near enough: a longer ttl just stays a little longer)
+            del self._departed[old]
+        self._departed[token] = (now + within, hand_on)
 
     # Carrying: a task that asks for a mutex while another task of this client holds it
     # waits (briefly) for that holder's release to queue it in the same script call, which
@@ -353,6 +395,12 @@ class WaitQueue:
 
     def lot(self, channel: bytes) -> Lot | None:
         return self._lots.get(channel)
+
+    def stale(self, token: str, fence: int) -> bool:
+        """A grant to a waiter of ours that a later answer found not holding (it tells
+        nothing of the lease in the way either)."""
+        waiter = self._by_token.get(token)
+        return waiter is not None and waiter.stale(fence)
 
     def recheck_first(self, channel: bytes) -> None:
         """The holder may be gone: the first local waiter re-runs acquire for everyone here."""

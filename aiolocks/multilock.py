@@ -40,13 +40,16 @@ _TRY_ALL = load("multi_try")
 class _Taken:
     """The names one acquisition holds so far: their fences and leases."""
 
-    __slots__ = ("fences", "holding", "leases", "lost_reason")
+    __slots__ = ("fences", "holding", "leases", "lost_reason", "unconfirmed")
 
     def __init__(self) -> None:
         self.fences: dict[str, int] = {}
         self.leases: list[Lease] = []
         self.holding: Holding | None = None  # once every name is held
         self.lost_reason: str | None = None  # a name lost before that
+        # The one-script try took every name but answered late: the names are confirmed one
+        # by one, and a failure gives them all back (the token may hold any of them).
+        self.unconfirmed = False
 
 
 def _validate_names(names: object) -> tuple[str, ...]:
@@ -140,11 +143,14 @@ class RedisMultiLock(LeasedLock):
         token = secrets.token_hex(16)
         taken = _Taken()
         grants: list[_acquire.Grant] = []
+        miss = _acquire.Miss(unanswered=False)
+        try_bound, deadline = self._try_deadline(blocking, deadline)
         try:
             if not isinstance(self._client, RedisCluster):
                 tried = await self._take_all(context, token, taken, deadline)
-                if tried is None:
-                    return None  # the deadline passed during the try (nothing is left)
+                if tried is None:  # the deadline passed during the try (nothing is left)
+                    self._missed(_acquire.Miss(unanswered=True), try_bound, token)
+                    return None
                 grants = tried
             if not grants:
                 for spec in self._specs:
@@ -154,11 +160,12 @@ class RedisMultiLock(LeasedLock):
                             blocking=blocking, deadline=deadline,
                         )  # fmt: skip
                     if isinstance(grant, _acquire.Miss):
+                        miss = grant
                         break
                     self._took(context, taken, spec, grant)
                     grants.append(grant)
         except BaseException:
-            await self._give_back(context, token, taken)
+            await self._give_back(context, token, taken, deadline)
             raise
         if len(grants) == len(self._specs) and taken.lost_reason is None:
             due = min(lease.next_due for lease in taken.leases)
@@ -167,12 +174,13 @@ class RedisMultiLock(LeasedLock):
                 context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
             return _acquire.Grant(token, grants[0].fence, grants[0].granted_at)
-        await self._give_back(context, token, taken)
+        await self._give_back(context, token, taken, deadline)
         if taken.lost_reason is not None:
             raise LockLost(
                 self._name, f"lease lost while taking the other names: {taken.lost_reason}",
                 token=token,
             )  # fmt: skip
+        self._missed(miss, try_bound, token)
         return None
 
     async def _take_all(
@@ -180,7 +188,9 @@ class RedisMultiLock(LeasedLock):
     ) -> list[_acquire.Grant] | None:
         """One script that takes every name if all are free with nobody queued (then the
         grants, in sorted order), else changes nothing (then []); None when `deadline`
-        passed first."""
+        passed first. Answered so late that the leases have less than half their validity
+        left (the late-grant check of `_acquire`): [] too, the names then confirmed one by
+        one (the mutex script re-arms a name the token holds)."""
         keys = tuple(key for spec in self._specs for key in spec.keys)
         sent_at = time.monotonic()
 
@@ -194,14 +204,17 @@ class RedisMultiLock(LeasedLock):
             else:
                 reply = await asyncio.wait_for(call(), max(0.0, deadline - sent_at))
         except BaseException as exc:
-            # The script may have run: give back whatever the token may hold.
-            await _acquire.shielded(
-                lambda: self._release_all(context, self._specs, token), _acquire.CLEANUP_BOUND
-            )
+            # The script may have run: give back whatever the token may hold, awaited up to
+            # the deadline (a little past it), then in the background.
+            taken.unconfirmed = True
+            await self._give_back(context, token, taken, deadline)
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
         if int(reply[0]) != 1:
+            return []
+        if _acquire.late_grant(sent_at, self._ttl_ms):
+            taken.unconfirmed = True
             return []
         grants = [_acquire.Grant(token, int(fence), sent_at) for fence in reply[1:]]
         for spec, grant in zip(self._specs, grants, strict=True):
@@ -221,14 +234,23 @@ class RedisMultiLock(LeasedLock):
         taken.leases.append(lease)
         taken.fences[spec.name] = grant.fence
 
-    async def _give_back(self, context: ClientContext, token: str, taken: _Taken) -> None:
+    async def _give_back(
+        self, context: ClientContext, token: str, taken: _Taken, deadline: float | None
+    ) -> None:
+        """Release every name `token` may hold, awaited until a little past `deadline` (or up
+        to CLEANUP_BOUND without one), then in the background, as `_acquire.withdraw`."""
         for lease in taken.leases:
             context.keeper.drop(lease)
-        specs = [spec for spec in self._specs if spec.name in taken.fences]
+        taken.leases.clear()
+        specs = [spec for spec in self._specs if taken.unconfirmed or spec.name in taken.fences]
+        taken.fences.clear()
+        taken.unconfirmed = False
         if specs:
-            await _acquire.shielded(
-                lambda: self._release_all(context, specs, token), _acquire.CLEANUP_BOUND
-            )
+            until = None if deadline is None else max(deadline, time.monotonic()) + _acquire.GRACE
+            await _acquire.withdraw(
+                context, specs[0], token, self._ttl_ms, until,
+                call=functools.partial(self._release_all, context, specs, token),
+            )  # fmt: skip
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
         taken = self._taken[grant.token]
@@ -242,6 +264,9 @@ class RedisMultiLock(LeasedLock):
             taken.lost_reason = taken.lost_reason or reason
         elif not taken.holding.lost.is_set():
             self._lease_lost(taken.holding, reason)
+
+    def _held_channels(self) -> tuple[bytes, ...]:
+        return tuple(spec.channel for spec in self._specs)
 
     def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
         taken = self._taken.get(holding.token)
@@ -260,10 +285,15 @@ class RedisMultiLock(LeasedLock):
 
     async def _release_surely(
         self, context: ClientContext, token: str, until: float | None = None
-    ) -> bool | None:
-        # Not bounded by `until` (the leases' validity) yet: one release call per name.
+    ) -> bool | _acquire.Unanswered | None:
+        # Bounded by `until` (the leases' validity, aligned), as a mutex's release.
         self._taken.pop(token, None)
-        return await _acquire.completed(self._release_all(context, self._specs, token))
+        call = functools.partial(self._release_all, context, self._specs, token)
+        if until is None:
+            return await _acquire.completed(call())
+        return await _acquire.release_until(
+            context, self._specs[0], token, self._ttl_ms, until, call
+        )
 
     # -- what the server says ------------------------------------------------------------
 

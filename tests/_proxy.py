@@ -53,6 +53,10 @@ class _Link:
         self.server_reader, self.server_writer = server
         self.drop_on_reply: Drop | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        # Set while it forwards; cleared by `Proxy.blackhole_open` for good (a peer gone
+        # without a reset: nothing comes back, nothing fails).
+        self.alive = asyncio.Event()
+        self.alive.set()
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -72,6 +76,7 @@ class _Link:
                 if self.proxy.latency > 0:
                     await asyncio.sleep(self.proxy.latency)  # one-way delay, order kept
                 await self.proxy._flowing.wait()  # stalled: hold everything back
+                await self.alive.wait()  # blackholed: never again
                 if upstream:
                     trigger = self.proxy._take_trigger(data)
                     if trigger is not None and trigger.point == "request":
@@ -147,6 +152,15 @@ class Proxy:
     def resume(self) -> None:
         """Forward again, starting with what was held back."""
         self._flowing.set()
+
+    def blackhole_open(self) -> int:
+        """Stop forwarding, for good, on every connection open now (the peer is gone without
+        a reset: writes are taken, nothing comes back); later connections work. Returns how
+        many."""
+        links = list(self._links)
+        for link in links:
+            link.alive.clear()
+        return len(links)
 
     def drop_all(self) -> int:
         """Close every connection now (clients see a reset); returns how many."""

@@ -55,26 +55,7 @@ SCENARIOS = {
 }
 
 
-# Fixed on branch `bugs`; until it is merged they fail here, as they must before the fix.
-_UNFIXED = {
-    name
-    for name in SCENARIOS
-    if name.startswith(("late", "carried", "cancelled", "multilock-bounds", "failed"))
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, reason=f"issue 24 {SCENARIOS[name]}"),
-        )
-        if name in _UNFIXED
-        else name
-        for name in sorted(SCENARIOS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_scenario_has_no_violation(scenarios: dict[str, Any], name: str) -> None:
     result = scenarios[name]
     assert not result["violations"], f"{SCENARIOS[name]}\n" + "\n".join(

@@ -207,6 +207,22 @@ local function grant_fence(fence_key, token, ttl, stored)
   return base + 1
 end
 
+-- The fence floor of a name, for a reply that says the caller does not hold it (queued or
+-- busy): every fence handed out before this call is at or below it, and every later grant's
+-- is above it. It is the counter (grant_fence starts above it), or, when the counter has
+-- expired, the clock (the counter never expires before the clock has passed every fence).
+-- A grant of the caller's token at or below it, read after this reply, is stale: the server
+-- has ended it since (issue 24). `stored`: the counter as this call leaves it (nil: read).
+local function fence_floor(fence_key, stored)
+  if stored == nil then
+    stored = tonumber(redis.call('GET', fence_key)) or 0
+  end
+  if stored > 0 then
+    return stored
+  end
+  return now_us()
+end
+
 -- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash;
 -- `extra` lists more keys to keep as long as the lease (e.g. a semaphore's stored limit).
 local function hold_in_set(holders, fences, fence_key, token, ttl, now, extra)

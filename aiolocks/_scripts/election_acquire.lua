@@ -3,8 +3,9 @@
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] 'wait' to queue when busy, 'try' not to
 -- ARGV[3] channel   ARGV[4] the value to lead with
 -- Returns {1, fence} when the caller leads (also when it already did: idempotent),
---         {0, pttl} when queued behind a leader with pttl ms of lease left,
---         {-1, pttl} when busy and the caller did not queue.
+--         {0, pttl, floor} when queued behind a leader with pttl ms of lease left,
+--         {-1, pttl, floor} when busy and the caller did not queue; floor: the fence floor
+--         (fence_floor, _prelude.lua).
 check_keys({'hash', 'list', 'zset', 'counter', 'hash'})
 local leader, queue, waiters, fence_key, candidates = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local member, mode, channel, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -37,6 +38,6 @@ end
 if mode == 'wait' then
   redis.call('HSET', candidates, token, value)
   enqueue(queue, waiters, member, now, ttl, {candidates})
-  return {0, redis.call('PTTL', leader)}
+  return {0, redis.call('PTTL', leader), fence_floor(fence_key)}
 end
-return {-1, redis.call('PTTL', leader)}
+return {-1, redis.call('PTTL', leader), fence_floor(fence_key)}

@@ -6,8 +6,10 @@
 -- ARGV[1] member   "<token>:<ttl_ms>:<tag>:x" (see _prelude.lua)
 -- ARGV[2] 'wait' to queue when busy, 'try' not to    ARGV[3] channel for grants
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
---         {0, pttl} when queued behind a holder with pttl ms of lease left,
---         {-1, pttl} when busy and the caller did not queue.
+--         {0, pttl, floor} when queued behind a holder with pttl ms of lease left,
+--         {-1, pttl, floor} when busy and the caller did not queue;
+--         floor: the fence floor (fence_floor, _prelude.lua): a grant of the caller's
+--         token at or below it is stale.
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag = split_member(member)
@@ -40,10 +42,11 @@ if not current then
   redis.call('SET', owner, next_token, 'PX', next_ttl)
   local fence = grant_fence(fence_key, next_token, next_ttl, stored)
   announce(channel, next_token, fence, next_ttl, nil, tag)
+  stored = fence + fence_block(next_token) - 1
 end
 
 if mode == 'wait' then
   enqueue(queue, waiters, member, now, ttl)
-  return {0, redis.call('PTTL', owner)}
+  return {0, redis.call('PTTL', owner), fence_floor(fence_key, stored)}
 end
-return {-1, redis.call('PTTL', owner)}
+return {-1, redis.call('PTTL', owner), fence_floor(fence_key, stored)}

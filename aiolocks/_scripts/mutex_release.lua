@@ -11,7 +11,10 @@
 -- Returns {1} released (nobody waiting), {1, next_token, next_fence, next_ttl} released and
 -- handed on, {0} the caller did not hold it (any queue entry of it is gone now),
 -- {0, next_token, next_fence, next_ttl} same, and a free mutex was handed to the queue head,
--- {2, fence} kept ('keep' only): still held, renewed, and `fence` starts its new block.
+-- {2, fence} kept ('keep' only): still held, renewed, and `fence` starts its new block,
+-- {-1, pttl} ('carry' only) the caller did not hold it, and the carried members were queued
+-- behind the holder, whose lease has pttl ms left (their safety-net timer: nobody else tells
+-- them when that lease ends).
 -- A carried member granted adds its {token, fence, ttl} to the reply (never announced: it
 -- waits in the caller's client).
 local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -55,6 +58,9 @@ end
 
 if mode == 'carry' then
   local now = now_ms()
+  if #reply == 1 and current then
+    reply = {-1, redis.call('PTTL', owner)}  -- queued behind another holder: its lease end
+  end
   for i = 4, #ARGV do
     local carried = ARGV[i]
     local carried_token, carried_ttl = split_member(carried)

@@ -2,8 +2,9 @@
 -- KEYS[1] writer STRING   KEYS[2] readers ZSET token -> lease deadline   KEYS[3] queue
 -- KEYS[4] waiters   KEYS[5] fence   KEYS[6] fences HASH reader -> fence
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:r|w"   ARGV[2] 'wait' | 'try'   ARGV[3] channel
--- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, grants...}
--- queued, {-1, wait_ms, grants...} busy and not queued.
+-- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, floor,
+-- grants...} queued, {-1, wait_ms, floor, grants...} busy and not queued; floor: the fence
+-- floor (fence_floor, _prelude.lua).
 check_keys({'string', 'zset', 'list', 'zset', 'counter', 'hash'})
 local k = rw_keys()
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
@@ -37,6 +38,6 @@ if redis.call('LLEN', k.queue) == 0 and redis.call('EXISTS', k.writer) == 0 then
 end
 if mode == 'wait' then
   enqueue(k.queue, k.waiters, member, now, ttl)
-  return {0, rw_wait_ms(k, now), unpack(grants)}
+  return {0, rw_wait_ms(k, now), fence_floor(k.fence), unpack(grants)}
 end
-return {-1, rw_wait_ms(k, now), unpack(grants)}
+return {-1, rw_wait_ms(k, now), fence_floor(k.fence), unpack(grants)}

@@ -4,9 +4,10 @@
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:x"   ARGV[2] 'wait' | 'try'   ARGV[3] channel
 -- ARGV[4] the caller's limit: checked against the stored one for a new arrival only; a
 --         waiter already queued keeps waiting under whatever limit is stored (set_limit)
--- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, grants...}
--- queued, {-1, wait_ms, grants...} busy and not queued, {-2, stored_limit} the name is
--- stored with another limit (nothing changed). grants: token, fence, ttl of others granted.
+-- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, floor,
+-- grants...} queued, {-1, wait_ms, floor, grants...} busy and not queued, {-2, stored_limit}
+-- the name is stored with another limit (nothing changed). grants: token, fence, ttl of
+-- others granted; floor: the fence floor (fence_floor, _prelude.lua).
 check_keys({'zset', 'list', 'zset', 'counter', 'hash', 'counter'})
 local k = sem_keys()
 local member, mode, channel, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -41,6 +42,6 @@ if redis.call('LLEN', k.queue) == 0 and redis.call('ZCARD', k.holders) < limit t
 end
 if mode == 'wait' then
   enqueue(k.queue, k.waiters, member, now, ttl, {k.limit})
-  return {0, first_expiry(k.holders, now), unpack(grants)}
+  return {0, first_expiry(k.holders, now), fence_floor(k.fence), unpack(grants)}
 end
-return {-1, first_expiry(k.holders, now), unpack(grants)}
+return {-1, first_expiry(k.holders, now), fence_floor(k.fence), unpack(grants)}

@@ -1,0 +1,594 @@
+"""The engine bugs of issue 24, each reproduced against real servers (a proxy that drops or
+delays a link, a stalled event loop, `CLIENT PAUSE`), and the items found by reading it.
+
+1. a grant believed after a later server answer said the token was not the holder;
+2. a carried waiter queued by a release that answered {0} had no wake-up timer;
+3. a cancelled carried waiter granted by a release that arrived after its clean-up;
+4. `RedisMultiLock` keeping the mutex's bounds during a `CLIENT PAUSE`;
+5. one failed `CONFIG GET` ending an acquisition the server had answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio
+import redis.exceptions
+from _faultreport import record
+from _faults import close_client, leftovers, make_sides
+from _probes import Deferrals, QueueProbe
+from _proxy import Proxy
+from _servers import ServerProcess
+
+from aiolocks import (
+    LockLost,
+    RedisElection,
+    RedisMultiLock,
+    RedisMutex,
+    ServerUnavailable,
+    _acquire,
+    _autopipe,
+    multilock,
+)
+from aiolocks._context import AUTOPIPELINE_ENV, context_for
+from aiolocks._holding import LeasedLock
+from aiolocks._scripts import Script
+from aiolocks.election import _Candidacy
+from aiolocks.testing import expire_lease
+
+pytestmark = pytest.mark.faults
+
+T = TypeVar("T")
+
+
+class OtherLoop:
+    """An event loop in a thread of its own: another process, as far as the engine can tell
+    (its own clients, tasks and timers), that keeps running while the test's loop stalls."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        return await asyncio.wait_for(asyncio.wrap_future(self.start(coro)), timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+async def other_loop() -> AsyncIterator[OtherLoop]:
+    other = OtherLoop()
+    try:
+        yield other
+    finally:
+        other.stop()
+
+
+def _lock(client: redis.asyncio.Redis, kind: str, name: str, ttl: float) -> LeasedLock:
+    if kind == "election":
+        return _Candidacy(client, name, "v", ttl=ttl, timeout=None, prefix="aiolocks", on_lost=None)
+    if kind == "write":
+        return make_sides(client, "rwlock", name, ttl=ttl)[1].lock
+    return make_sides(client, kind, name, limit=1, ttl=ttl)[0].lock  # type: ignore[arg-type]
+
+
+def _late_messages(client: redis.asyncio.Redis, delay: float) -> None:
+    """Every grant message `client`'s notifier reads is delivered `delay` seconds late (a
+    slow pub/sub link; commands are not delayed)."""
+    notifier = context_for(client).notifier
+    deliver = notifier._on_grant
+
+    def late(wake: bytes, payload: bytes) -> None:
+        asyncio.get_running_loop().call_later(delay, deliver, wake, payload)
+
+    notifier._on_grant = late  # type: ignore[method-assign]
+
+
+# -- 1. a grant believed after a later answer said "not the holder" -------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mutex", "semaphore", "write", "election"])
+async def test_a_grant_older_than_a_queued_answer_is_not_believed(
+    server: ServerProcess, other_loop: OtherLoop, kind: str
+) -> None:
+    """ttl 1 s. H (another process) releases to W while W's loop is stalled 1.5 s; W's
+    pub/sub link is 0.3 s late. W's lease ends on the server unrenewed, X (queued behind W)
+    gets the lock; W's re-check after the stall finds it queued again; then the old grant
+    message arrives. Before: W's `acquire()` returned True with a fence below X's while X
+    held. Now the message is dropped (its fence is at or below the queued answer's floor)
+    and W gets the lock after X, with a higher fence."""
+    name = f"stale-grant-{kind}"
+    admin = redis.asyncio.Redis.from_url(server.url)
+    await admin.flushall()
+    mine = redis.asyncio.Redis.from_url(server.url)
+    theirs: list[redis.asyncio.Redis] = []
+
+    async def open_theirs() -> tuple[LeasedLock, LeasedLock]:
+        theirs.append(redis.asyncio.Redis.from_url(server.url))
+        return _lock(theirs[0], kind, name, 1.0), _lock(theirs[0], kind, name, 1.0)
+
+    try:
+        holder, other = await other_loop.run(open_theirs())
+        assert await other_loop.run(holder.acquire())
+        waiter = _lock(mine, kind, name, 1.0)
+        probe = QueueProbe(mine)
+        waiting = asyncio.create_task(waiter.acquire(timeout=15))
+        await probe.wait_queued(1, 5)
+        x_acquired = other_loop.start(other.acquire(timeout=15))  # queued behind W
+        await asyncio.sleep(0.2)  # X's call is in (the queue order is W, X)
+        _late_messages(mine, 0.3)
+        released = other_loop.start(holder.release())  # grants W: published
+        time.sleep(1.5)  # noqa: ASYNC251 (on purpose: W's loop stalls past its lease)
+        await asyncio.wait_for(asyncio.wrap_future(released), 5)
+        assert await asyncio.wait_for(asyncio.wrap_future(x_acquired), 5), "X not granted"
+        x_fence = next(iter(other._holdings.values())).fence
+        await asyncio.sleep(0.6)  # the old message arrived 0.3 s after the stall
+        if waiting.done():
+            got = waiting.result()
+            fence = waiter._holdings[waiting].fence if got else None
+            pytest.fail(f"W acquired ({got}, fence {fence}) while X holds (fence {x_fence})")
+        await other_loop.run(other.release())  # adopted: X's acquiring task has ended
+        assert await asyncio.wait_for(waiting, 10)
+        w_fence = waiter._holdings[waiting].fence
+        assert w_fence > x_fence, (w_fence, x_fence)
+        await waiter.release()
+        record("24.1 stale grant dropped", trials=1, note=f"{kind}: W after X, fences rise")
+    finally:
+        if theirs:
+            await other_loop.run(close_client(theirs[0]))
+        await close_client(mine)
+        await admin.aclose()
+
+
+# -- 2. a carried waiter queued behind another holder ---------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["valkey-plain", "redis-plain"])
+async def test_a_carried_waiter_queued_behind_another_holder_wakes_at_its_lease_end(
+    server_pool: Any, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
+    """Keyspace events off. H holds; W (same client) waits to be carried by H's release.
+    H's lease is taken over meanwhile (its key deleted, then taken by C, a holder that
+    crashes: ttl 2 s, never renewed), so H's release answers "not held" and queues W behind
+    C. W must re-check when C's lease ends. Before: no timer, so W waited its whole
+    timeout (8 s)."""
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)  # carried whenever H releases
+    server: ServerProcess = server_pool.get(variant)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await admin.flushall()
+        name = "carried-behind"
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        waiting = asyncio.create_task(waiter.acquire(timeout=8))
+        await deferrals.wait(1)
+        spec = holder._spec
+        await admin.delete(spec.keys[0])  # H's lease is gone (evicted, deleted)
+        context = context_for(admin)
+        member = context.waitqueue.member("crashed0000", 2000, "x")
+        sent = time.monotonic()
+        reply = await context.run(spec.acquire, spec.keys, (member, "try", spec.channel))
+        assert int(reply[0]) == 1  # C holds, for 2 s, and never renews
+        crash_end = sent + 2.0
+        with pytest.raises(LockLost):
+            await holder.release()  # answers "not held"; W is queued behind C
+        assert await waiting, "W timed out"
+        late = time.monotonic() - crash_end
+        assert late < 0.5, late
+        await waiter.release()
+        record(
+            "24.2 carried waiter behind another holder",
+            trials=1,
+            recover=[max(late, 0.0)],
+            note=f"{variant}: granted {late:.3f} s after the crashed lease's end",
+        )
+    finally:
+        await close_client(client)
+        await admin.aclose()
+
+
+# -- 3. a cancelled carried waiter granted after its clean-up -------------------------------
+
+
+def _slow_carrying_release(
+    client: redis.asyncio.Redis, delay: float, on_sent: Callable[[], object]
+) -> None:
+    """The carrying release of `client` (a release call that carries waiters) reaches the
+    server `delay` seconds late (its connection is slow); `on_sent` is called as the engine
+    sends it."""
+    context = context_for(client)
+    inner = context.run
+
+    async def run(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        if "carry" in args:
+            on_sent()
+            await asyncio.sleep(delay)
+        return await inner(script, keys, args, retry=retry)
+
+    context.run = run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("granted", [True, False], ids=["granted", "queued"])
+async def test_a_cancelled_carried_waiter_granted_after_its_clean_up_hands_on_at_once(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, granted: bool
+) -> None:
+    """Auto-pipelining off (as on Cluster): W waits to be carried by H's release (same
+    client), and is cancelled once that release is sent. Its clean-up, on another
+    connection, reaches the server first and finds nothing; then the release grants W (the
+    mutex free), or queues it behind another client's waiter Q, which a later release grants
+    W. Either grant reaches a waiter that has left: it is handed on at once. Before, W held
+    the mutex for its whole ttl (10 s) and another client waited that long."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)  # carried whenever H releases
+    name = f"departed-{'granted' if granted else 'queued'}"
+    client = redis.asyncio.Redis.from_url(server.url)
+    other = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await other.flushall()
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        waiting = asyncio.create_task(waiter.acquire())
+        await deferrals.wait(1)
+        first = RedisMutex(other, name, ttl=10)  # Q, another client's waiter
+        if not granted:
+            probe = QueueProbe(other)
+            queued = asyncio.create_task(first.acquire(timeout=20))
+            await probe.wait_queued(1, 5)
+        _slow_carrying_release(client, 0.2, waiting.cancel)
+        await holder.release()  # W's clean-up is answered while this call is delayed
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        if not granted:
+            assert await queued  # the release handed Q the mutex and queued W behind it
+            await first.release()  # grants W, who has left (by message: another client)
+        later = RedisMutex(other, name, ttl=10)
+        started = time.monotonic()
+        assert await later.acquire(timeout=3), "the departed waiter kept the mutex"
+        waited = time.monotonic() - started
+        await later.release()
+        assert waited < 1.0, waited
+        record(
+            "24.3 departed carried waiter",
+            trials=1,
+            recover=[waited],
+            note=f"{'granted' if granted else 'queued'}: next holder after {waited:.3f} s",
+        )
+    finally:
+        await close_client(client)
+        await close_client(other)
+
+
+# -- by reading: an election grant delivered twice ------------------------------------------
+
+
+@pytest.mark.parametrize("autopipe", ["on", "off"])
+async def test_an_election_grant_read_twice_after_a_lost_release_reply_is_one_term(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, autopipe: str
+) -> None:
+    """L resigns to C (same client); the resignation's reply is lost. C hears its election
+    three ways: the message (an election publishes every grant), the re-check the lost reply
+    causes, and the retry (which finds C leading: no grant). C leads once, for one term above
+    L's; once C resigns nothing is left and a newcomer is elected at once. (Checked: the
+    second delivery is dropped, `Waiter.grant` keeps the first; not a bug.)"""
+    if autopipe == "off":
+        monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        election = RedisElection(client, "twice", ttl=5)
+        leading, resign = asyncio.Event(), asyncio.Event()
+        terms: list[int] = []
+
+        async def lead(value: str) -> None:
+            async with election.campaign(value, timeout=10) as term:
+                terms.append(term.fencing_token)
+                leading.set()
+                await resign.wait()
+
+        first = asyncio.create_task(lead("L"))
+        await asyncio.wait_for(leading.wait(), 5)
+        leading.clear()
+        probe = QueueProbe(client)
+        second = asyncio.create_task(lead("C"))
+        await probe.wait_queued(1, 5)
+        sha = election._probe._spec.release.sha.encode()
+        drop = proxy.drop_on(lambda data: sha in data, "reply")
+        resign.set()
+        await asyncio.wait_for(first, 5)  # no LockLost: the retry finds it resigned
+        assert drop.at is not None
+        await asyncio.wait_for(second, 5)
+        assert len(terms) == 2 and terms[1] > terms[0], terms
+        info = await election.inspect()
+        assert info.leader is None and info.candidates == 0, info
+        resign.clear()
+        leading.clear()
+        third = asyncio.create_task(lead("D"))
+        await asyncio.wait_for(leading.wait(), 2)
+        resign.set()
+        await third
+        assert terms[2] > terms[1], terms
+    finally:
+        await close_client(client)
+
+
+# -- by reading: the retry of a carrying release ---------------------------------------------
+
+
+async def test_the_retry_of_a_carrying_release_does_not_grant_a_waiter_again(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Auto-pipelining off. H's release carries W and grants it, but its reply is lost. W
+    re-checks (it holds), and releases, before H's retry reaches the server (another
+    connection, slower). The retry must not carry W again: before, it granted the free mutex
+    to W's ended token, which kept it for its whole ttl (10 s)."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)
+    client = redis.asyncio.Redis.from_url(server.url)
+    other = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await other.flushall()
+        name = "carry-retry"
+        deferrals = Deferrals(monkeypatch)
+        holder = RedisMutex(client, name, ttl=10)
+        assert await holder.acquire()
+        waiter = RedisMutex(client, name, ttl=10)
+        w_done = asyncio.Event()
+
+        async def take_and_give_back() -> None:
+            assert await waiter.acquire()
+            await waiter.release()
+            w_done.set()
+
+        waiting = asyncio.create_task(take_and_give_back())
+        await deferrals.wait(1)
+        context = context_for(client)
+        inner = context.run
+        h_member = context.waitqueue.member(holder._current().token, 10000, "x")  # type: ignore[union-attr]
+        releases: list[tuple[Any, ...]] = []
+
+        async def run(
+            script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        ) -> Any:
+            if script is holder._spec.release and args[0] == h_member:
+                releases.append(args)
+                if len(releases) == 2:
+                    await asyncio.wait_for(w_done.wait(), 5)  # the retry comes after W left
+                reply = await inner(script, keys, args, retry=retry)
+                if len(releases) == 1:
+                    raise redis.exceptions.ConnectionError("reply lost (test)")
+                return reply
+            return await inner(script, keys, args, retry=retry)
+
+        context.run = run  # type: ignore[method-assign]
+        await holder.release()  # no LockLost: the retry finds it released, the lease valid
+        await asyncio.wait_for(waiting, 5)
+        assert len(releases) == 2 and "carry" in releases[0]
+        info = await waiter.inspect()
+        assert info.owner is None, "W's ended token holds the mutex"
+        assert await RedisMutex(other, name, ttl=10).acquire(blocking=False)
+    finally:
+        await close_client(client)
+        await close_client(other)
+
+
+# -- by reading: a lost or capped holding is no local holder -----------------------------------
+
+
+@pytest.mark.parametrize("how", ["lost", "capped"])
+async def test_a_lost_or_capped_holding_makes_no_later_waiter_wait_to_be_carried(
+    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """H's holding is lost (its lease ended on the server) or capped (max_hold), and H does
+    not release it. A later waiter of the same client must not wait for H's release to carry
+    it (the carry window is 10 s here): before, it did, every time, until H released."""
+    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)
+    name = f"lost-held-{how}"
+    first, second = RedisMutex(r, name, ttl=5), RedisMutex(r, name, ttl=5)
+    assert await first.acquire()  # then a contended acquisition: the channel is subscribed
+    carried = Deferrals(monkeypatch)
+    waiting = asyncio.create_task(second.acquire())
+    await carried.wait(1)
+    await first.release()
+    assert await asyncio.wait_for(waiting, 5)
+    await second.release()
+    holder = RedisMutex(r, name, ttl=5, max_hold=0.2 if how == "capped" else None)
+    assert await holder.acquire()
+    holding = holder._current()
+    assert holding is not None
+    if how == "lost":
+        await expire_lease(holder)
+    else:
+        await asyncio.wait_for(holding.lost.wait(), 5)
+        await r.delete(f"aiolocks:mutex:{{{name}}}:owner")  # the lease ended on the server
+    deferrals = Deferrals(monkeypatch)
+    later = RedisMutex(r, name, ttl=5)
+
+    async def take() -> None:
+        assert await later.acquire()
+        await later.release()
+
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.create_task(take()), 5)
+    took = time.monotonic() - started
+    assert deferrals.count == 0, "it waited to be carried by a lost holding"
+    assert took < 1.0, took
+    with pytest.raises(LockLost):
+        await holder.release()
+
+
+# -- by reading: one blackholed auto-pipeline link -----------------------------------------
+
+
+async def test_a_blackholed_link_does_not_hold_every_script_call(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client without socket_timeout (redis-py 5-7's default; redis-py 8's connections
+    default to 5 s); the connection its script calls share (the auto-pipeline's link) goes
+    dead without a reset (nothing comes back, nothing fails); new connections work. Its
+    calls go again on a new connection after STALL_BOUND (1 s here). Before, every script
+    call of the client waited on the dead link: a free mutex was not acquired within 5 s."""
+    monkeypatch.setattr(_autopipe, "STALL_BOUND", 1.0, raising=False)
+    client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=None)
+    try:
+        lock = RedisMutex(client, "blackholed", ttl=5)
+        assert await lock.acquire()  # the link is open (and stays: 5 s idle)
+        await lock.release()
+        assert proxy.blackhole_open() == 1
+        started = time.monotonic()
+        assert await lock.acquire(timeout=5), "the client's calls waited on the dead link"
+        took = time.monotonic() - started
+        assert took < 1.0 + 1.0, took
+        await lock.release()
+        record("by reading: blackholed link", trials=1, recover=[took], note=f"{took:.3f} s")
+    finally:
+        await close_client(client)
+
+
+# -- 4. the multi-lock's bounds during a CLIENT PAUSE -----------------------------------------
+
+
+async def _background_done(timeout: float) -> None:
+    """Wait (bounded) for the clean-ups left to finish in the background."""
+    pending = list(_acquire._BACKGROUND)
+    if pending:
+        await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+
+
+@pytest.mark.slow
+async def test_a_multi_lock_keeps_the_mutex_bounds_during_a_client_pause(
+    server_factory: Any,
+) -> None:
+    """`CLIENT PAUSE 6000 ALL`, a client without socket_timeout. The bounds docs/mutex.md
+    gives: release() of a ttl-1 holding raises LockLost within its validity + 0.3 s;
+    acquire(timeout=0.5) returns False within 0.7 s; acquire(blocking=False) raises
+    ServerUnavailable within TRY_BOUND + 0.2 s. Before: 6.1 s, 5.5 s, and True after 6.1 s.
+    Once the pause ends, the background clean-ups leave nothing behind."""
+    server: ServerProcess = server_factory(notify=False)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        held = RedisMultiLock(client, ["pa", "pb"], ttl=1)
+        assert await held.acquire()
+        warm = RedisMultiLock(client, ["pc", "pd"], ttl=2)
+        assert await warm.acquire()  # the scripts loaded, the link open
+        await warm.release()
+        await admin.execute_command("CLIENT", "PAUSE", 6000, "ALL")  # type: ignore[no-untyped-call]
+        holding = held._current()
+        assert holding is not None and holding.lease is not None
+        valid_for = holding.lease.valid_until - time.monotonic()
+        started = time.monotonic()
+        with pytest.raises(LockLost):
+            await held.release()
+        released = time.monotonic() - started
+        assert released <= max(valid_for, 0.0) + 0.3, (released, valid_for)
+
+        started = time.monotonic()
+        assert await RedisMultiLock(client, ["pc", "pd"], ttl=2).acquire(timeout=0.5) is False
+        timed = time.monotonic() - started
+        assert timed <= 0.5 + 0.2, timed
+
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            await RedisMultiLock(client, ["pe", "pf"], ttl=2).acquire(blocking=False)
+        tried = time.monotonic() - started
+        assert tried <= _acquire.TRY_BOUND + 0.2, tried
+
+        await _background_done(20)
+        for name in ("pa", "pb", "pc", "pd", "pe", "pf"):
+            assert await leftovers(admin, "mutex", name) == {}, name
+            assert not await RedisMutex(admin, name).locked(), name
+        record(
+            "24.4 multi-lock under CLIENT PAUSE",
+            trials=3,
+            note=f"release {released:.3f} s (validity {valid_for:.3f} s), "
+            f"acquire(timeout=0.5) {timed:.3f} s, blocking=False {tried:.3f} s",
+        )
+    finally:
+        await close_client(client)
+        await admin.aclose()
+
+
+@pytest.mark.slow
+async def test_a_multi_lock_grant_read_after_a_loop_stall_is_confirmed(
+    r: redis.asyncio.Redis,
+) -> None:
+    """ttl 1 s; the loop stalls 2 s as the one-script try's reply is read (every name was
+    free): past the leases. `acquire()` may return True only for leases the server holds.
+    Before, it reported names whose leases the server had ended."""
+    context = context_for(r)
+    inner = context.run
+    stalled: list[bool] = []
+
+    async def run(
+        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+    ) -> Any:
+        reply = await inner(script, keys, args, retry=retry)
+        if script is multilock._TRY_ALL and not stalled:
+            stalled.append(True)
+            time.sleep(2.0)  # noqa: ASYNC251 (on purpose: the loop stalls past the leases)
+        return reply
+
+    context.run = run  # type: ignore[method-assign]
+    lock = RedisMultiLock(r, ["late-a", "late-b"], ttl=1)
+    assert await lock.acquire(timeout=5)
+    assert stalled
+    holding = lock._current()
+    assert holding is not None and holding.lease is not None
+    remaining = holding.lease.remaining
+    for name in ("late-a", "late-b"):
+        key = f"aiolocks:mutex:{{{name}}}:owner"
+        owner = await r.get(key)
+        assert owner == holding.token.encode(), f"{name}: the server had ended its lease"
+        on_server = int(await r.pttl(key)) / 1000
+        assert remaining <= on_server + 0.05, (name, remaining, on_server)
+    await lock.release()
+    record("24.4 multi-lock late grant", trials=1, note=f"confirmed: {remaining:.3f} s left")
+
+
+# -- 5. one failed CONFIG GET ---------------------------------------------------------------
+
+
+async def test_a_failed_config_get_does_not_end_a_queued_acquisition(
+    proxy: Proxy, direct: redis.asyncio.Redis
+) -> None:
+    """The waiter's first try is answered (busy); the `CONFIG GET` its notifier sends before
+    subscribing loses its connection. It waits on, as after a failed subscribe, and gets the
+    lock when the holder releases. Before: `ServerUnavailable` at once."""
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    try:
+        holder = RedisMutex(direct, "facts-lost", ttl=5)
+        assert await holder.acquire()
+        drop = proxy.drop_on(lambda data: b"notify-keyspace-events" in data, "request")
+        waiter = RedisMutex(client, "facts-lost", ttl=5)
+        waiting = asyncio.create_task(waiter.acquire(timeout=10))
+        await asyncio.wait_for(drop.fired.wait(), 5)
+        await asyncio.sleep(0.1)  # the waiter went on (or, before, failed)
+        assert not waiting.done() or waiting.exception() is None, waiting.exception()
+        released = time.monotonic()
+        await holder.release()
+        assert await asyncio.wait_for(waiting, 10)
+        late = time.monotonic() - released
+        await waiter.release()
+        record("24.5 failed CONFIG GET", trials=1, recover=[late], note=f"granted {late:.3f} s")
+    finally:
+        await close_client(client)
