@@ -63,8 +63,9 @@ def test_scenario_has_no_violation(scenarios: dict[str, Any], name: str) -> None
     )
 
 
+@pytest.mark.timeout(600)
 def test_random_seeds_have_no_violation() -> None:
-    done = _simulate("--seeds", CI_SEEDS, "--duration", CI_DURATION)
+    done = _simulate("--seeds", CI_SEEDS, "--duration", CI_DURATION, timeout=590)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "0 with violations" in done.stdout
 

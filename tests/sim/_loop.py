@@ -18,10 +18,12 @@ import asyncio
 import contextvars
 import heapq
 import selectors
+import time as real_time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+WALL_LIMIT = 240.0  # wall-clock seconds one run may take (a livelock ends as a violation)
 START = 1000.0  # virtual monotonic time at the start of a run
 _TURN = 1e-6  # virtual time one turn of the loop takes at least
 _EPS = 1e-9  # spacing of callbacks held back by a stall (keeps their order)
@@ -59,6 +61,7 @@ class _Selector(selectors.BaseSelector):
     def __init__(self, loop: VirtualLoop) -> None:
         self._loop = loop
         self._keys: dict[int, selectors.SelectorKey] = {}
+        self._turns = 0
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
@@ -77,6 +80,9 @@ class _Selector(selectors.BaseSelector):
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None:
             raise Deadlock("no callback is ready and no timer is set")
+        self._turns += 1
+        if not self._turns % 4096 and real_time.monotonic() > self._loop.wall_deadline:
+            raise Deadlock("the run took too long in wall-clock time (a livelock?)")
         # Each turn of the loop takes a little time, as on a real clock: a timer armed for
         # less than the clock's resolution ahead cannot fire at the same instant for ever.
         self._loop.advance(max(timeout, _TURN))
@@ -112,6 +118,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._now = START
         super().__init__(_Selector(self))
         self.advanced = 0.0  # virtual seconds that passed while nothing ran
+        self.wall_deadline = real_time.monotonic() + WALL_LIMIT
         self.set_task_factory(_task_factory)
 
     def time(self) -> float:

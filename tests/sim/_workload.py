@@ -147,6 +147,8 @@ class Run:
             if rng.random() < 0.15:
                 # Cancellation at any await: a random moment of the call or the holding.
                 await asyncio.wait({op}, timeout=rng.choice((0.0, 0.0005, 0.002, 0.02, 0.3)))
+                if not op.done():
+                    self.world.net.log(f"{proc.name}/w{worker} cancels its {res.kind} {res.names}")
                 op.cancel()
             try:
                 await op
@@ -209,6 +211,7 @@ class Run:
         if not got:
             return
         hold = self.record(proc, worker, res, lock, side, task, adopted=False)
+        world.net.log(f"{proc.name}/w{worker} holds {hold.kind} {res.names} {hold.token[:8]}")
         await self.hold_and_release(proc, res, lock, hold, rng)
 
     def record(
@@ -266,6 +269,7 @@ class Run:
                 else:
                     hold.released_at = loop.time()
                     hold.detached = True
+                    self.world.net.log(f"{proc.name}/{hold.task} detaches {res.names}")
                     self.handles.append((res, handle, loop.time()))
                     return
         finally:
@@ -488,7 +492,11 @@ class Run:
         to a waiter that left): it must not keep the name from live waiters."""
         world = self.world
         proc = world.recorder.tokens.get(token.split("+")[0])
-        believed = any(h.token == token and world.believed(h, now) for h in world.holds[-200:])
+        # A holding detached for another process to adopt is in hand-over: its owner is
+        # none of the tasks until then (the handle may never be adopted: then its ttl ends it).
+        believed = any(
+            h.token == token and (h.detached or world.believed(h, now)) for h in world.holds
+        )
         if proc is None or proc.dead or proc.stalled_until > now or believed:
             self.orphan_since.pop(name, None)
             return
