@@ -141,14 +141,18 @@ class _ValidUntil:
 
 
 def lapse(recorder: Recorder, lease: Any, until: float) -> float | None:
-    """The first moment before `until` at which `lease` was past its validity (None if it
-    never was): its holder stopped believing it held from then on."""
+    """When `lease`'s validity ran out for good before `until` (None if it did not): its
+    holder believes it holds nothing from then on. A renewal sent before the validity ended
+    but answered just after it extends it again (the engine counts validity from the
+    renewal's send time), so a lapse it repairs is not the end."""
     history = recorder.validity.get(id(lease))
     if not history:
         return None
     current = history[0][1]
     for at, value in history[1:]:
-        if at > current:
-            return current
+        if at >= until:
+            break
+        if at > current and value <= at:
+            return current  # ran out, and what came after did not bring it back
         current = value
     return current if current < until else None

@@ -200,6 +200,11 @@ class World:
         """A task's acquire returned True: check it against what others believe now."""
         self.holds.append(hold)
         now = self.loop.time()
+        if not self.believed(hold, now):
+            # Granted with no validity left (its call answered after a loop stall outlived
+            # it): the holder knows it holds nothing valid, and the keeper reports the loss.
+            self.net.log(f"{hold.proc.name}/{hold.task}: granted with no validity left")
+            return
         self.active = [h for h in self.active if self.believed(h, now)]
         for name in hold.names:
             others = [h for h in self.active if name in h.names]
@@ -257,7 +262,7 @@ class World:
             holds.sort(key=lambda h: h.start)
             for i, a in enumerate(holds):
                 for b in holds[i + 1 :]:
-                    if b.start >= a.end and _exclusive(a, b):
+                    if b.start >= a.end and b.end > b.start and _exclusive(a, b):
                         # a ended before b began: its fence is smaller (hand-over keeps it)
                         fa, fb = a.fences[name], b.fences[name]
                         if not fa < fb and not (b.adopted and fa == fb):
