@@ -52,6 +52,7 @@ SCENARIOS = {
     "failed-config-get": "bug 5: one failed CONFIG GET ends a queued acquisition",
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
     "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
+    "cohort-release-bound": "found by the simulation: a cohort release past the validity",
 }
 
 

@@ -406,3 +406,23 @@ async def cohort_pass_after_validity(scene: Scene) -> None:
     await asyncio.sleep(0.1)
     scene.world.stall(p, 1.5)  # P's lease ends on the server meanwhile, and Q takes it
     await asyncio.sleep(6)
+
+
+@scenario
+async def cohort_release_bound(scene: Scene) -> None:
+    """Found by the simulation (seed 5): a `local_handoff` holder's release that needs Redis
+    waited for it past the lease's validity (a stalled link, a server pause), where a
+    mutex's release raises `LockLost` once the validity ends."""
+    p = scene.proc("P")
+    lock = RedisMutex(scene.world.clients[p], "m", ttl=1.0, local_handoff=2)
+    scene.run.strict = set()
+
+    async def holder() -> None:
+        hold = await scene.acquire(p, lock, "P1", kind="cohort")
+        await asyncio.sleep(0.1)
+        scene.world.fault("pause", None)
+        scene.world.net.pause(6.0)
+        await scene.release(p, lock, hold, "P1")  # gives the lease back: Redis is needed
+
+    scene.start(p, holder(), "P1")
+    await asyncio.sleep(10)
