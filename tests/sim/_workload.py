@@ -352,10 +352,6 @@ class Run:
         """LockLost (the `lost` event) came within the slack after the validity ended."""
         world = self.world
         for hold in world.holds:
-            if getattr(hold.proc, "crashed_at", None) is not None and hold.end >= getattr(
-                hold.proc, "crashed_at", 0
-            ):
-                continue
             lost = hold.lost_at()
             released = hold.released_at
             if hold.detached:
@@ -368,7 +364,10 @@ class Run:
                 continue
             # The belief ended by its validity: the loss must be reported soon after.
             stalled = hold.proc.stalled_between(hold.end, hold.end + 30)
-            if lost is None or lost > hold.end + LOST_SLACK + stalled:
+            due = hold.end + LOST_SLACK + stalled
+            if getattr(hold.proc, "crashed_at", float("inf")) <= due:
+                continue  # the process died before it was due to report it
+            if lost is None or lost > due:
                 late = "never" if lost is None else f"{lost - hold.end:.3f} s late"
                 world.violate(
                     f"LATE LOSS {hold.proc.name}/{hold.task} {hold.kind} {hold.names} "
