@@ -219,7 +219,7 @@ class World:
         self.active.append(hold)
 
     def _overlap(self, hold: Hold, others: list[Hold], name: str) -> None:
-        restart = [r for r in self.net.restarts if any(h.start < r for h in others)]
+        restart = [r for r in self.net.restarts if any(self.since(h) < r for h in [*others, hold])]
         if restart:
             return  # the documented gap after a restart without persistence (checked after)
         shown = ", ".join(
@@ -308,11 +308,20 @@ class World:
                     self.violate(line)
             current.append(hold)
 
+    def since(self, hold: Hold) -> float:
+        """When the oldest lease of `hold` was granted (a multi-lock takes its names one by
+        one: a name may be held from before a restart the rest were taken after)."""
+        firsts = [
+            self.recorder.validity.get(id(lease), [(hold.start, 0.0)])[0][0]
+            for lease in hold.leases
+        ]
+        return min([hold.start, *firsts])
+
     def _restart_gap(self, holds: list[Hold], at: float) -> bool:
         """The documented gap: a holder from before a restart learns of it at its next
         renewal (ttl/3), while a waiter may be granted on the emptied server."""
         for restart in self.net.restarts:  # (when the emptied server answers again)
-            before = [h for h in holds if h.start < restart]
+            before = [h for h in holds if self.since(h) < restart]
             if (
                 before
                 and at >= restart
