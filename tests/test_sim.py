@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # CI's share: about a minute of seeds on a 2-core machine (see `nox -s simulate`).
-CI_SEEDS = "1-8"
+CI_SEEDS = "1-12"
 CI_DURATION = "20"
 
 

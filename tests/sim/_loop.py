@@ -106,6 +106,10 @@ def _run_if_live(handle: asyncio.Handle) -> None:
     handle._run()
 
 
+def _nothing() -> None:
+    pass
+
+
 def _proc_of(handle: asyncio.Handle) -> Proc | None:
     context: contextvars.Context | None = getattr(handle, "_context", None)
     return None if context is None else context.get(PROCESS)
@@ -204,9 +208,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         proc.stalls.append((start, until))
         proc._held = 0
         # Ready callbacks of the process move behind the stall (the others keep their order).
+        # (Replaced in place by a no-op: the loop may be part way through this deque.)
         ready: Any = self._ready  # type: ignore[attr-defined]
-        keep = []
-        for handle in list(ready):
+        for index, handle in enumerate(ready):
             if _proc_of(handle) is proc and not handle.cancelled():
                 proc._held += 1
                 super().call_at(
@@ -215,10 +219,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
                     handle,
                     context=handle._context.copy(),
                 )
-            else:
-                keep.append(handle)
-        ready.clear()
-        ready.extend(keep)
+                ready[index] = asyncio.Handle(_nothing, (), self, None)
         # Timers due before the end move to it, keeping their order.
         scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]
         early = sorted(
