@@ -80,6 +80,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_autopipe.py")
     session.run("python", "benchmarks/bench_cluster.py")
     session.run("python", "benchmarks/bench_telemetry.py")
+    session.run("python", "benchmarks/bench_scale.py", "--burst")
 
 
 @nox.session

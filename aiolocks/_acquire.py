@@ -37,7 +37,7 @@ import redis.exceptions
 
 from . import _telemetry
 from ._context import ClientContext
-from ._leases import cancelling, validity
+from ._leases import Lease, cancelling, validity
 from ._scripts import Script
 from ._waitqueue import Carry, Waiter, Wake
 
@@ -219,9 +219,15 @@ async def acquire(
             if waiter is not None and mode == "wait" and waiter.queued_at == 0.0:
                 waiter.still_queued(sent_at)  # unknown to the server before this call
             dirty = True
+            written: list[float] = []  # when the call went out (behind a burst: later)
             try:
                 reply = await _bounded(
-                    context.run(spec.acquire, spec.keys, (member, mode, spec.channel, *spec.args)),
+                    context.run(
+                        spec.acquire,
+                        spec.keys,
+                        (member, mode, spec.channel, *spec.args),
+                        sent=written.append,
+                    ),
                     deadline,
                 )
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
@@ -247,6 +253,7 @@ async def acquire(
                     return _granted(context, spec, token, waiter.fence, waiter.granted_at)
                 continue
             outage, answered = _RETRY_MIN, True
+            sent_at = written[0] if written else sent_at
             status, value = int(reply[0]), int(reply[1])
             grants = 2 if status in (GRANTED, REFUSED) else 3  # queued, busy: then the floor
             if waiter is not None and grants == 3:
@@ -407,7 +414,9 @@ async def release(
     carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
     extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
-    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra)
+    written: list[float] = []  # when the call went out (behind a burst: later)
+    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra, sent=written.append)
+    sent_at = written[0] if written else sent_at
     wake_granted(context, spec, reply, 1, sent_at)
     status = int(reply[0])
     for waiter in carried:
@@ -424,11 +433,17 @@ async def release(
 
 
 async def release_reply(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *extra: Any
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    *extra: Any,
+    sent: Callable[[float], None] | None = None,
 ) -> tuple[list[Any], bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's).
+    off (it may have done the work, and the reply is then the retry's). `sent`: as for
+    `ClientContext.run`.
 
     The retry carries nobody: the carried waiters were told to re-check when the first
     reply was lost (`granting`), and queue or find their grant themselves. Carried again,
@@ -438,11 +453,11 @@ async def release_reply(
     args = (member, spec.channel, *spec.args, *extra)
     context.waitqueue.note_released(spec.channel, token)
     try:
-        return await granting(context, spec, spec.release, args), False
+        return await granting(context, spec, spec.release, args, sent=sent), False
     except _LOST_REPLY:
         if extra[:1] == ("carry",):
             args = (member, spec.channel, *spec.args)
-        return await granting(context, spec, spec.release, args), True
+        return await granting(context, spec, spec.release, args, sent=sent), True
 
 
 async def granting(
@@ -452,6 +467,7 @@ async def granting(
     args: tuple[Any, ...],
     *,
     retry: bool = False,
+    sent: Callable[[float], None] | None = None,
 ) -> list[Any]:
     """Run a script that may grant to waiters of this client (a release, `set_limit`), once,
     or (`retry`) once more after a connection error.
@@ -462,7 +478,7 @@ async def granting(
     (the acquire script answers "granted" to an owner).
     """
     try:
-        reply: list[Any] = await context.run(script, spec.keys, args, retry=False)
+        reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
         return reply
     except BaseException as exc:
         context.waitqueue.recheck_all(spec.channel)
@@ -519,19 +535,71 @@ async def release_until(
     ttl_ms: int,
     until: float,
     call: Callable[[], Awaitable[bool | None]] | None = None,
+    lease: Lease | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
     validity): past it the answer is UNANSWERED and the release goes on in the background.
-    `call` replaces the release of `spec` (a multi-lock releases several)."""
+    `call` replaces the release of `spec` (a multi-lock releases several).
+
+    With `lease` (still held by the keeper), the keeper goes on renewing it until the
+    release is answered, and the wait follows its validity as renewals move it: a release
+    queued behind a burst (more calls than the link carries at once) keeps its lease and
+    is answered however long it waits; only a Redis that answers nothing, renewals
+    included, runs the validity out. A loss the keeper finds meanwhile is reported by the
+    release's answer (or by its validity ending), not by the keeper."""
     first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
+    if lease is not None:
+        lease.on_lost = _told_by_the_release
+    bound: _ValidityBound | None = None
     try:
-        return await _bounded(first, until)
+        async with asyncio.timeout(None) as scope:
+            bound = _ValidityBound(scope, until, lease)
+            try:
+                return await first
+            finally:
+                bound.cancel()
+                if lease is not None:
+                    context.keeper.drop(lease)
     except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
-        await withdraw(context, spec, token, ttl_ms, max(until, time.monotonic() + GRACE), call)
+        end = until if bound is None else bound.end()
+        await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
         raise
+
+
+def _told_by_the_release(reason: str) -> None:
+    """A lease being released is not reported lost by the keeper (see `release_until`)."""
+
+
+class _ValidityBound:
+    """Expires a timeout scope at `until`, or, given a lease, when its validity ends,
+    following it as the keeper moves it later: one timer, re-armed once per renewal at most."""
+
+    __slots__ = ("handle", "lease", "scope", "until")
+
+    def __init__(self, scope: asyncio.Timeout, until: float, lease: Lease | None) -> None:
+        self.scope = scope
+        self.until = until
+        self.lease = lease
+        self.handle = self._arm()
+
+    def end(self) -> float:
+        return self.until if self.lease is None else max(self.until, self.lease.valid_until)
+
+    def _arm(self) -> asyncio.TimerHandle:
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (self.end() - time.monotonic()), self._due)
+
+    def _due(self) -> None:
+        if self.end() > time.monotonic():
+            self.handle = self._arm()  # renewed meanwhile
+        else:
+            self.scope.reschedule(asyncio.get_running_loop().time())
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 async def withdraw(
@@ -567,8 +635,9 @@ def _background_release(
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
     task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    for running in (_BACKGROUND, context.cleanups):
+        running.add(task)
+        task.add_done_callback(running.discard)
     return task
 
 

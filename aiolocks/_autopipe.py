@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,8 @@ MAX_BATCHES = 2
 MAX_BATCH = 512
 # A link with nothing to do gives its connection back to the pool after this long.
 IDLE_S = 5.0
+# How long `aclose()` waits for the replies of batches on their way before it closes the link.
+CLOSE_BOUND = 1.0
 # A direct link on a connection without a socket_timeout waits this long at most for a
 # reply before it is broken (its calls then go once more on a new connection, as on a lost
 # connection). One blackholed connection (a peer gone without a reset) would otherwise hold
@@ -84,13 +87,20 @@ def command(
 class _Call:
     """One script call on its way: what to run, and the caller's future."""
 
-    __slots__ = ("by_source", "future", "retry", "staged")
+    __slots__ = ("by_source", "future", "retry", "sent", "staged")
 
-    def __init__(self, staged: Staged, retry: bool, future: asyncio.Future[Any]) -> None:
+    def __init__(
+        self,
+        staged: Staged,
+        retry: bool,
+        future: asyncio.Future[Any],
+        sent: Callable[[float], None] | None = None,
+    ) -> None:
         self.staged = staged
         self.retry = retry  # a lost connection may still send it again
         self.by_source = False  # EVAL, after the server answered NOSCRIPT
         self.future = future
+        self.sent = sent  # told the monotonic time each time it is written
 
 
 class _Link:
@@ -160,11 +170,17 @@ class AutoPipeline:
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
-        self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], retry: bool
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        retry: bool,
+        sent: Callable[[float], None] | None = None,
     ) -> Any:
-        """Run `script` in the next batch; a connection error is retried once if `retry`."""
+        """Run `script` in the next batch; a connection error is retried once if `retry`.
+        `sent` is told when the call is written (behind a burst, long after this call)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Call((script, keys, args), retry, future))
+        self._queue.append(_Call((script, keys, args), retry, future, sent))
         self._kick()
         return await future
 
@@ -214,10 +230,14 @@ class AutoPipeline:
 
     def _pack(self, connection: AbstractConnection, batch: list[_Call]) -> list[bytes]:
         """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
-        the connection's), with each script's and name's head packed once."""
+        the connection's), with each script's and name's head packed once. It is written
+        next: each call's `sent` is told now."""
         encode = connection.encoder.encode
         parts: list[bytes] = []
+        now = time.monotonic()
         for call in batch:
+            if call.sent is not None:
+                call.sent(now)
             script, keys, args = call.staged
             if call.by_source:
                 parts += connection.pack_command(*command(script, keys, args, by_source=True))
@@ -528,14 +548,25 @@ class AutoPipeline:
         self._queue.extendleft(reversed(again))
 
     async def aclose(self) -> None:
-        """Retire the link: at once if idle, else once the batches on their way are read.
-        No new link is opened afterwards (calls fail as on a lost connection)."""
+        """Retire the link: at once if idle, else once the batches on their way are read,
+        for `CLOSE_BOUND` at most, past which it is closed under them (their callers get
+        the error of a lost connection). No new link is opened afterwards (calls fail as on
+        a lost connection). The pipeline's tasks have ended when this returns: it may be
+        the last thing to run before the event loop closes."""
         self._closed = True
         link, self._link = self._link, None
-        if link is not None and link.reader is not None:
+        if link is not None:
             link.poke()
-            if not link.pending and not link.sending:
-                await asyncio.gather(link.reader, return_exceptions=True)
+        tasks = [
+            task
+            for task in (self._writer, None if link is None else link.reader)
+            if task is not None and not task.done()
+        ]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_BOUND)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _bulk(value: bytes | memoryview) -> bytes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,9 @@ class Cohort:
         self._next_fence = grant.fence + 1
         self.passes = 0
         lease = lock._new_lease(grant, self._lost)
+        lease.release = functools.partial(
+            _acquire.release, self._context, self._spec, grant.token, self._ttl_ms
+        )
         self._lease = lease
         self._context.keeper.hold(lease)
         self._give(lock, task, grant.fence)

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import sys
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
@@ -43,6 +45,10 @@ _MAX_IN_FLIGHT = 64
 # "0" (or "off", "false", "no") turns auto-pipelining off (see `_autopipe.py`): every
 # script call then goes on its own pooled connection, within the in-flight bound.
 AUTOPIPELINE_ENV = "AIOLOCKS_AUTOPIPELINE"
+
+# When the event loop ends (`asyncio.run()` returning, a web server shutting down), what
+# is still held is released, waited for this long at most; past it a lease ends by its ttl.
+SHUTDOWN_BOUND = 1.0
 
 # Contexts live on the client itself (client <-> context is an ordinary cycle the garbage
 # collector frees with the client), one per event loop the client is used from.
@@ -159,6 +165,10 @@ class ClientContext:
             self._initialised.set_result(None)
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
+        # Clean-ups left to finish in the background (see `_acquire.withdraw`): the end of
+        # the loop waits for them.
+        self.cleanups: set[asyncio.Future[Any]] = set()
+        self._loop_end: AsyncGenerator[None, None] | None = _watch_loop_end(self)
 
     async def run(
         self,
@@ -167,8 +177,11 @@ class ClientContext:
         args: tuple[Any, ...],
         *,
         retry: bool = True,
+        sent: Callable[[float], None] | None = None,
     ) -> Any:
         """EVALSHA `script`; EVAL it (which also caches it) if the server does not know it.
+        `sent` is told the monotonic time whenever the call is written (a call queued
+        behind a burst goes out later than it is made).
 
         EVAL rather than SCRIPT LOAD: it goes where the keys are (on Cluster, the node
         owning their slot; SCRIPT LOAD has no key to route by), in one round trip.
@@ -184,22 +197,30 @@ class ClientContext:
         await self._ready()
         before = _cancel.pending()
         if self.autopipe is not None:
-            reply = await self.autopipe.call(script, keys, args, retry)
+            reply = await self.autopipe.call(script, keys, args, retry, sent)
         else:
             async with self._slots:
                 try:
-                    reply = await self._evalsha(script, keys, args)
+                    reply = await self._evalsha(script, keys, args, sent)
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     if not retry:
                         raise
-                    reply = await self._evalsha(script, keys, args)
+                    reply = await self._evalsha(script, keys, args, sent)
         _cancel.redeliver(before)
         return reply
 
     def _count_sent(self, commands: int) -> None:
         self.commands_sent += commands
 
-    async def _evalsha(self, script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    async def _evalsha(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        sent: Callable[[float], None] | None = None,
+    ) -> Any:
+        if sent is not None:
+            sent(time.monotonic())
         self.commands_sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
@@ -311,11 +332,72 @@ class ClientContext:
 
     async def aclose(self) -> None:
         """Stop the background tasks of this client (held leases are no longer renewed)."""
+        await self._stop()
+        watcher, self._loop_end = self._loop_end, None
+        if watcher is not None:
+            await watcher.aclose()
+
+    async def _stop(self) -> None:
         self.closed = True
         await self.keeper.aclose()
         await self.notifier.aclose()
         if self.autopipe is not None:
             await self.autopipe.aclose()
+
+    async def _loop_ending(self) -> None:
+        """The event loop is ending (its tasks were cancelled, see `_watch_loop_end`):
+        release every lease still held and finish the clean-ups under way, within
+        `SHUTDOWN_BOUND`, then stop every task and close every connection of the engine."""
+        self._loop_end = None
+        if self.closed:
+            return
+        work: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(release()) for release in self.keeper.releases()
+        ]
+        work += [cleanup for cleanup in self.cleanups if not cleanup.done()]
+        if work:
+            _, late = await asyncio.wait(work, timeout=SHUTDOWN_BOUND)
+            for future in late:
+                future.cancel()
+            for outcome in await asyncio.gather(*work, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.debug("aiolocks: a release at the loop's end failed: %r", outcome)
+        await self._stop()
+        pool = getattr(self.client, "connection_pool", None)
+        if isinstance(pool, redis.asyncio.ConnectionPool):
+            # redis-py binds a connection to its loop: an idle one is of no use after it
+            # (and a client so emptied may be used on another loop).
+            with contextlib.suppress(Exception):
+                await pool.disconnect(inuse_connections=False)
+
+
+def _watch_loop_end(context: ClientContext) -> AsyncGenerator[None, None] | None:
+    """An async generator, started now, whose `finally` runs `context._loop_ending()`.
+
+    asyncio gives a library no callback when its loop ends, but `asyncio.run()` (and every
+    runner that ends a loop properly: asyncio.Runner, uvloop, uvicorn, pytest-asyncio)
+    first cancels the remaining tasks, then closes every async generator still suspended
+    (`loop.shutdown_asyncgens()`), still on the loop: that is when this one's `finally`
+    runs. The loop keeps only a weak reference to it, so the context keeps the generator.
+    None where the loop registers no async generators (then nothing runs at its end, and
+    leases still held end by their ttl)."""
+    loop = asyncio.get_running_loop()
+    if getattr(loop, "_asyncgens_shutdown_called", False):
+        return None  # already past that point: it would only warn
+    first_iteration, _ = sys.get_asyncgen_hooks()
+    if first_iteration is None:
+        return None
+    watcher = _until_loop_end(context)
+    with contextlib.suppress(StopIteration):
+        watcher.asend(None).send(None)  # to its `yield`: the loop's hook registers it
+    return watcher
+
+
+async def _until_loop_end(context: ClientContext) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await context._loop_ending()
 
 
 def autopipelining() -> bool:

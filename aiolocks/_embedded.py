@@ -4,6 +4,8 @@ For `aiolocks.testing`, the CLI's demo and the examples: no persistence, keyspac
 notifications on (as the library uses them when present). It ends with `stop()`, at
 interpreter exit, and on Linux also when the process that started it dies however it dies
 (SIGKILL included): the server is spawned with a parent-death signal (`PR_SET_PDEATHSIG`).
+It runs in a session of its own, so a Ctrl-C in the terminal reaches the program only,
+which then stops the server when it is done with it.
 
 Linux sends that signal when the *thread* that spawned the child ends, not the process.
 So every server is spawned from one daemon thread kept for the life of the process
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO
 
-__all__ = ["HOST", "EmbeddedServer", "free_port", "start_embedded_server"]
+__all__ = ["HOST", "EmbeddedServer", "die_with_parent", "free_port", "start_embedded_server"]
 
 HOST = "127.0.0.1"  # the loopback address only
 START_TIMEOUT = 10.0  # seconds for the server to answer PING
@@ -76,6 +78,12 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     return preexec
 
 
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` for a child process that must not outlive this one (on Linux, the
+    thread that spawns it: spawn from the event loop's thread): SIGKILLed when it ends."""
+    return _die_with(os.getpid())
+
+
 class _Spawner:
     """Runs `Popen` on one daemon thread that lives as long as the process (see the module
     docstring); a forked child gets its own thread on first use."""
@@ -117,6 +125,9 @@ class _Spawner:
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     preexec_fn=preexec,
+                    # Out of the terminal's process group: a Ctrl-C meant for the program
+                    # must not stop its server under it; the program stops it.
+                    start_new_session=True,
                 )
             except BaseException as exc:
                 done.set_exception(exc)
@@ -161,20 +172,35 @@ def _stop_running() -> None:
         server.stop()
 
 
-def start_embedded_server() -> EmbeddedServer:
-    """Start a Valkey server on a free port of 127.0.0.1 and return it once it answers PING;
-    `RuntimeError` (with the server's output) if it does not within `START_TIMEOUT`."""
+def start_embedded_server(port: int | None = None, *, notify: bool = True) -> EmbeddedServer:
+    """Start a Valkey server on `port` (default: a free one) of 127.0.0.1, with keyspace
+    notifications on unless not `notify`, and return it once it answers PING;
+    `RuntimeError` (with the server's output) if it does not within `START_TIMEOUT`, or if
+    `port` is taken."""
     binary = _server_binary()
+    if port is not None and not _bindable(port):
+        raise RuntimeError(f"port {port} of {HOST} is in use (a server running there already?)")
     failure = ""
-    for _ in range(_ATTEMPTS):
-        server, failure = _start(binary, free_port())
+    for _ in range(1 if port is not None else _ATTEMPTS):
+        server, failure = _start(binary, free_port() if port is None else port, notify)
         if server is not None:
             _RUNNING.add(server)
             return server
     raise RuntimeError(f"the embedded Valkey server did not start: {failure}")
 
 
-def _start(binary: str, port: int) -> tuple[EmbeddedServer | None, str]:
+def _bindable(port: int) -> bool:
+    """Whether a server could listen on `port` of 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def _start(binary: str, port: int, notify: bool) -> tuple[EmbeddedServer | None, str]:
     workdir = tempfile.mkdtemp(prefix="aiolocks-valkey-")
     argv = [
         binary,
@@ -183,7 +209,7 @@ def _start(binary: str, port: int) -> tuple[EmbeddedServer | None, str]:
         "--dir", workdir,
         "--save", "",
         "--appendonly", "no",
-        "--notify-keyspace-events", "KEA",
+        "--notify-keyspace-events", "KEA" if notify else "",
         "--logfile", "",
     ]  # fmt: skip
     # The output goes to an unnamed file (read back only if the start fails), and the

@@ -338,6 +338,7 @@ class LeasedLock:
         """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
         holding = self._install(task, grant.token, grant.fence)
         holding.lease = self._new_lease(grant, functools.partial(self._lease_lost, holding))
+        holding.lease.release = functools.partial(self._release_call, context, grant.token)
         context.keeper.hold(holding.lease)
         self._cap(context, holding, grant.granted_at)
 
@@ -399,9 +400,9 @@ class LeasedLock:
         self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if not self._local_handoff:
-            self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
         if holding.lost.is_set():
+            if not self._local_handoff:
+                self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
             until = time.monotonic() + _acquire.GRACE
@@ -418,7 +419,7 @@ class LeasedLock:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 answer = await cohort.release(self, holding, valid_until)
             else:
-                answer = await self._release_surely(context, holding.token, valid_until)
+                answer = await self._release_surely(context, holding)
             if isinstance(answer, _acquire.Unanswered):
                 holding.lost_reason = (
                     "Redis did not answer its release before the lease's validity ended "
@@ -526,14 +527,19 @@ class LeasedLock:
         return await _acquire.release(context, self._spec, token, self._ttl_ms)
 
     async def _release_surely(
-        self, context: ClientContext, token: str, until: float | None = None
+        self, context: ClientContext, holding: Holding
     ) -> bool | _acquire.Unanswered | None:
-        """`_release_call`, completed even if the caller is cancelled meanwhile; waited for
-        until the monotonic time `until` at most (`Unanswered` past it, the release going on
-        in the background)."""
-        if until is None:
-            return await _acquire.release_surely(context, self._spec, token, self._ttl_ms)
-        return await _acquire.release_until(context, self._spec, token, self._ttl_ms, until)
+        """`_release_call` for `holding`, completed even if the caller is cancelled
+        meanwhile; its lease is renewed until the release is answered, which is waited for
+        while the lease is known valid (`Unanswered` past it, the release going on in the
+        background)."""
+        if holding.lease is None:
+            self._stop_renewal(context, holding)
+            return await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
+        lease = holding.lease
+        return await _acquire.release_until(
+            context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
+        )
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other

@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
@@ -85,6 +85,7 @@ class Lease:
         "next_due",
         "on_lost",
         "queued",
+        "release",
         "script",
         "ttl",
         "valid_until",
@@ -109,6 +110,8 @@ class Lease:
         self.lost = False
         self.queued: float | None = None  # the key of its live heap entry (the keeper's)
         self.entry: _Entry | None = None  # its part of a batch call, made once
+        # Gives it back, when the event loop ends while it is held (set by its holder).
+        self.release: Callable[[], Awaitable[object]] | None = None
 
     @property
     def remaining(self) -> float:
@@ -216,6 +219,10 @@ class LeaseKeeper:
     def drop(self, lease: Lease) -> None:
         self._leases.discard(lease)
         lease.queued = None
+
+    def releases(self) -> list[Callable[[], Awaitable[object]]]:
+        """How to give back every lease held now (those whose holder said how)."""
+        return [lease.release for lease in self._leases if lease.release is not None]
 
     def watch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
         """Heartbeat `waiter` with its primitive's `keys` (the waiters key first)."""

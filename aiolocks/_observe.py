@@ -145,6 +145,9 @@ class Hub:
             return
         if self._started is None or (self._started.done() and self.state is None):
             self._started = asyncio.ensure_future(self._start())
+            # Its failure is read even when every observer left before it ended (a Ctrl-C
+            # while the first read waits): no "exception was never retrieved" at exit.
+            self._started.add_done_callback(_retrieve)
         try:
             await asyncio.shield(self._started)
         except BaseException:
@@ -212,8 +215,8 @@ class Hub:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if at is None or self.closed:
-            return
+        if at is None or self.closed or self._context.closed:
+            return  # nothing to watch, or the engine has stopped (its loop is ending)
         loop = asyncio.get_running_loop()
         delay = max(0.0, at - time.monotonic()) + _MARGIN
         self._timer = loop.call_later(delay, self._refresh, False)
@@ -235,6 +238,8 @@ class Hub:
                 # Unreachable for now: try again after a back-off (the notifier's re-sync
                 # after its reconnect usually comes first), and show the state again then.
                 log.debug("aiolocks: reading election %r failed: %r", self._channel, exc)
+                if self.closed or self._context.closed:
+                    return  # nobody to tell, or the engine has stopped: no retry timer
                 loop = asyncio.get_running_loop()
                 self._timer = loop.call_later(self._retry, self._refresh, True)
                 self._retry = min(self._retry * 2, _RETRY_MAX)
@@ -253,3 +258,8 @@ def info_fields(state: State) -> dict[str, Any]:
         "fencing_token": state.fence,
         "lease_remaining": max(0.0, state.lease_end - time.monotonic()),
     }
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()

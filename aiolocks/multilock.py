@@ -28,6 +28,7 @@ from ._errors import LockLost, map_redis_errors
 from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, validate_name
 from ._leases import Lease
+from ._query import query
 from ._scripts import load
 from ._telemetry import Counters
 from .mutex import MutexInfo, RedisMutex, mutex_spec
@@ -230,6 +231,9 @@ class RedisMultiLock(LeasedLock):
             spec.renew, spec.renew_keys, (grant.token, self._ttl_ms), self._ttl,
             grant.granted_at, lost,
         )  # fmt: skip
+        lease.release = functools.partial(
+            _acquire.release, context, spec, grant.token, self._ttl_ms
+        )
         context.keeper.hold(lease)
         taken.leases.append(lease)
         taken.fences[spec.name] = grant.fence
@@ -284,9 +288,13 @@ class RedisMultiLock(LeasedLock):
         return await self._release_all(context, self._specs, token)
 
     async def _release_surely(
-        self, context: ClientContext, token: str, until: float | None = None
+        self, context: ClientContext, holding: Holding
     ) -> bool | _acquire.Unanswered | None:
-        # Bounded by `until` (the leases' validity, aligned), as a mutex's release.
+        # Bounded by the leases' validity (aligned), as a mutex's release; not renewed
+        # meanwhile (one release call per name).
+        self._stop_renewal(context, holding)
+        token = holding.token
+        until = None if holding.lease is None else holding.lease.valid_until
         self._taken.pop(token, None)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
@@ -297,6 +305,7 @@ class RedisMultiLock(LeasedLock):
 
     # -- what the server says ------------------------------------------------------------
 
+    @query
     async def locked(self) -> bool:
         """True if anyone holds any of the names right now (asks Redis)."""
         with map_redis_errors(self._name):

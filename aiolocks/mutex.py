@@ -11,6 +11,7 @@ from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._query import query
 from ._scripts import Script, load
 from ._telemetry import Counters
 
@@ -116,6 +117,7 @@ class RedisMutex(LeasedLock):
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
         return _ADOPT, self._spec.renew_keys
 
+    @query
     async def locked(self) -> bool:
         """True if anyone holds the mutex right now (asks Redis)."""
         with map_redis_errors(self._name):

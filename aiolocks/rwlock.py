@@ -12,6 +12,7 @@ from ._context import context_for
 from ._errors import map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, Holding, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._query import query
 from ._scripts import Script, load
 
 __all__ = ["RWLockInfo", "ReadLock", "RedisReadWriteLock", "WriteLock"]
@@ -89,6 +90,7 @@ class ReadLock(_Side):
     _renew = _RENEW_READER
     _handle_kind = "rwlock-read"
 
+    @query
     async def locked(self) -> bool:
         """True when a reader could not enter now because a writer holds it (asks Redis)."""
         return (await self._owner.inspect()).writer is not None
@@ -103,6 +105,7 @@ class WriteLock(_Side):
     _renew = _RENEW_WRITER
     _handle_kind = "rwlock-write"
 
+    @query
     async def locked(self) -> bool:
         """True when anyone, reader or writer, holds the lock (asks Redis)."""
         info = await self._owner.inspect()

@@ -12,6 +12,7 @@ from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
 from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._query import query
 from ._scripts import Script, load
 
 __all__ = ["RedisSemaphore", "SemaphoreInfo"]
@@ -153,6 +154,7 @@ class RedisSemaphore(LeasedLock):
         info = await self.inspect()
         return max(0, (info.limit or self._limit) - info.holders)
 
+    @query
     async def locked(self) -> bool:
         """True when no permit is free (asks Redis)."""
         return await self.available() == 0

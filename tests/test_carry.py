@@ -38,12 +38,17 @@ class Calls:
         inner = self.context.run
 
         async def run(
-            script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+            script: Script,
+            keys: tuple[bytes, ...],
+            args: tuple[Any, ...],
+            *,
+            retry: bool = True,
+            sent: Any = None,
         ) -> Any:
             self.made.append((script, args))
             if self.before is not None:
                 self.before(script, args)
-            reply = await inner(script, keys, args, retry=retry)
+            reply = await inner(script, keys, args, retry=retry, sent=sent)
             if self.lose and "carry" in args:
                 self.lose = False
                 raise redis.exceptions.ConnectionError("reply lost (test)")

@@ -175,11 +175,19 @@ async def test_limit_runs_that_many_at_once(
     assert status == 75 and "semaphore (limit 2) 'gpu'" in err
     mismatch = await start("gpu", "--limit", "3", "--timeout", "0", cmd=child())
     status, err = await mismatch.finish()
-    assert status == 1 and "limit" in err
+    assert status == 1
+    assert err == (
+        "aiolocks: semaphore 'gpu' is stored with limit 2, not 3: give --limit 2, or add "
+        "--set-limit to store 3 (every user of the name must then give --limit 3)\n"
+    )
+    raised = await start("gpu", "--limit", "3", "--set-limit", "--timeout", "0", cmd=child())
+    assert (await raised.line()).startswith("started")  # the third permit, of three now
+    assert (await RedisSemaphore(r, "gpu", limit=3).inspect()).limit == 3
+    runs.append(raised)
     for n, run in enumerate(runs):
         await run.send(f"exit {n}")
         assert await run.finish() == (n, "")
-    assert await RedisSemaphore(r, "gpu", limit=2).holders() == 0
+    assert await RedisSemaphore(r, "gpu", limit=3).holders() == 0
 
 
 @ONE_SERVER

@@ -217,12 +217,17 @@ def _slow_carrying_release(
     inner = context.run
 
     async def run(
-        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        retry: bool = True,
+        sent: Any = None,
     ) -> Any:
         if "carry" in args:
             on_sent()
             await asyncio.sleep(delay)
-        return await inner(script, keys, args, retry=retry)
+        return await inner(script, keys, args, retry=retry, sent=sent)
 
     context.run = run  # type: ignore[method-assign]
 
@@ -367,17 +372,22 @@ async def test_the_retry_of_a_carrying_release_does_not_grant_a_waiter_again(
         releases: list[tuple[Any, ...]] = []
 
         async def run(
-            script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+            script: Script,
+            keys: tuple[bytes, ...],
+            args: tuple[Any, ...],
+            *,
+            retry: bool = True,
+            sent: Any = None,
         ) -> Any:
             if script is holder._spec.release and args[0] == h_member:
                 releases.append(args)
                 if len(releases) == 2:
                     await asyncio.wait_for(w_done.wait(), 5)  # the retry comes after W left
-                reply = await inner(script, keys, args, retry=retry)
+                reply = await inner(script, keys, args, retry=retry, sent=sent)
                 if len(releases) == 1:
                     raise redis.exceptions.ConnectionError("reply lost (test)")
                 return reply
-            return await inner(script, keys, args, retry=retry)
+            return await inner(script, keys, args, retry=retry, sent=sent)
 
         context.run = run  # type: ignore[method-assign]
         await holder.release()  # no LockLost: the retry finds it released, the lease valid
@@ -540,9 +550,14 @@ async def test_a_multi_lock_grant_read_after_a_loop_stall_is_confirmed(
     stalled: list[bool] = []
 
     async def run(
-        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        retry: bool = True,
+        sent: Any = None,
     ) -> Any:
-        reply = await inner(script, keys, args, retry=retry)
+        reply = await inner(script, keys, args, retry=retry, sent=sent)
         if script is multilock._TRY_ALL and not stalled:
             stalled.append(True)
             time.sleep(2.0)  # noqa: ASYNC251 (on purpose: the loop stalls past the leases)

@@ -66,6 +66,12 @@ def test_the_wheel_installs_into_a_fresh_venv_and_works_outside_the_checkout(
     by_script = _run(script, "--help", cwd=elsewhere, env=env)
     by_module = _run(python, "-m", "aiolocks", "--help", cwd=elsewhere, env=env)
     assert by_script.startswith("usage: aiolocks ") and by_module == by_script
+    version = _run(script, "--version", cwd=elsewhere, env=env).strip()
+    installed = _run(
+        python, "-c", "import importlib.metadata as m; print(m.version('aiolocks'))",
+        cwd=elsewhere, env=env,
+    ).strip()  # fmt: skip
+    assert version == f"aiolocks {installed}" == "aiolocks 0.1.0"
     smoke = _run(python, "smoke.py", cwd=elsewhere, env=env)
     assert smoke.startswith(f"smoke ok: {venv.resolve()}/lib/"), smoke
     assert re.search(r"fence \d{16}$", smoke.rstrip()), smoke  # server microseconds

@@ -70,13 +70,18 @@ class AcquireCalls:
         inner = context.run
 
         async def run(
-            script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+            script: Script,
+            keys: tuple[bytes, ...],
+            args: tuple[Any, ...],
+            *,
+            retry: bool = True,
+            sent: Any = None,
         ) -> Any:
             call = None
             if script is spec.acquire and args[1] == "wait":
                 call = Call(str(args[0]).split(":", 1)[0], time.monotonic())
                 self.made.append(call)
-            reply = await inner(script, keys, args, retry=retry)
+            reply = await inner(script, keys, args, retry=retry, sent=sent)
             if call is not None:
                 call.status = int(reply[0])
                 self.answered.set()

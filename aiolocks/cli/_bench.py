@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .._embedded import die_with_parent
 from ._connect import redacted
 from ._errors import NotFound, Refused
 from ._io import Streams
@@ -81,7 +82,11 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
 async def _relay(command: list[str], env: dict[str, str], io: Streams) -> int:
     """Run `command`, copying its output (stdout and stderr) to ours line by line."""
     proc = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
+        *command,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        preexec_fn=die_with_parent(),  # it (and its server) end with us, however we end
     )
     assert proc.stdout is not None
     try:

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 
+from .. import _cancel
 from .._context import context_for
-from .._embedded import EmbeddedServer, start_embedded_server
+from .._embedded import EmbeddedServer, die_with_parent, start_embedded_server
 from .._keys import KeySpace
 from .._scripts import load
 from ._connect import connected, redacted
@@ -117,6 +118,7 @@ async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
                 progress = _Progress(workers, workers * iterations)
                 await _run_workers(url, prefix, args, False, progress)
                 got = int(await client.get(counter_key(prefix, False)) or 0)
+                _cancel.redeliver(0)
                 lost = progress.expected - got
                 verdict = f"{lost} updates LOST" if lost > 0 else "none lost this time (timing)"
                 io.say(f"   expected {progress.expected}, got {got}: {verdict}\n")
@@ -160,6 +162,7 @@ async def _locked_run(
     channel = KeySpace(prefix, "mutex", LOCK_NAME).key("wake")
     sharded = bool(await context_for(client).run(_PUBSUB_MODE, (), ()))
     async with _grants(url, channel, sharded, progress.handed_off):
+        _cancel.redeliver(0)
         workers = asyncio.ensure_future(_run_workers(url, prefix, args, True, progress))
         try:
             view = await view_of(client, "mutex", LOCK_NAME, prefix)
@@ -167,6 +170,7 @@ async def _locked_run(
                 while not workers.done():
                     await asyncio.wait({workers}, timeout=_REFRESH)  # a display timer only
                     view = await view_of(client, "mutex", LOCK_NAME, prefix)
+                    _cancel.redeliver(0)  # a Ctrl-C that redis-py's wait_for dropped
                     live.update(_screen(view, progress))
             out.print()
             await workers  # its failure, if any
@@ -244,6 +248,8 @@ async def _run_workers(
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=env,
+            preexec_fn=die_with_parent(),  # killed with this process, however it ends
+            start_new_session=True,  # a Ctrl-C is for this process, which stops them
         )
         for _ in range(args.workers)
     ]
@@ -259,9 +265,10 @@ async def _run_workers(
     # Each holding lasts `hold` plus a few round trips; leave a generous margin.
     bound = _READY_TIMEOUT + args.workers * args.iterations * (args.hold + 0.1) * 2
     try:
-        await asyncio.wait_for(
-            asyncio.gather(*(read(i, proc, True) for i, proc in enumerate(procs))), _READY_TIMEOUT
-        )
+        # `asyncio.timeout`, not `wait_for(gather(...))`: a Ctrl-C meanwhile would leave
+        # the gather's CancelledError unretrieved, logged at exit (Python 3.11).
+        async with asyncio.timeout(_READY_TIMEOUT):
+            await asyncio.gather(*(read(i, proc, True) for i, proc in enumerate(procs)))
         progress.started = time.monotonic()
         for proc in procs:
             assert proc.stdin is not None
@@ -269,9 +276,8 @@ async def _run_workers(
                 proc.stdin.write(b"go\n")
                 await proc.stdin.drain()
                 proc.stdin.close()
-        await asyncio.wait_for(
-            asyncio.gather(*(read(i, proc, False) for i, proc in enumerate(procs))), bound
-        )
+        async with asyncio.timeout(bound):
+            await asyncio.gather(*(read(i, proc, False) for i, proc in enumerate(procs)))
         for index, proc in enumerate(procs):
             if await proc.wait() != 0 and not any(
                 failure.startswith(f"worker {index}:") for failure in progress.failures

@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     url, prefix, iterations, hold, mode = sys.argv[1:] if argv is None else argv
     try:
         return asyncio.run(work(url, prefix, int(iterations), float(hold), mode == "locked"))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group
+    except KeyboardInterrupt:  # a SIGINT sent to it alone
         return 130
 
 

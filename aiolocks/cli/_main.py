@@ -32,6 +32,7 @@ _MODULES = {
     "demo": "_demo",
     "run": "_run",
     "bench": "_bench",
+    "server": "_server",
 }
 
 

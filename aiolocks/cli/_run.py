@@ -83,6 +83,8 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         received.append(signum)
         main.cancel()
 
+    if args.set_limit and args.limit is None:
+        raise UsageError("--set-limit needs --limit N: the limit to store")
     for signum in (signal.SIGINT, signal.SIGTERM):
         _on_signal(loop, signum, stop)
     try:
@@ -94,10 +96,13 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
                 lock = RedisSemaphore(
                     client, args.name, limit=args.limit, ttl=args.ttl, prefix=args.prefix
                 )
+                if args.set_limit:
+                    await lock.set_limit(args.limit)
             try:
                 acquired = await lock.acquire(timeout=args.timeout)
-            except LimitMismatch as exc:
-                raise Refused(str(exc)) from None
+            except LimitMismatch:
+                assert isinstance(lock, RedisSemaphore)
+                raise Refused(await _other_limit(lock, args)) from None
             if not acquired:
                 waited = "at once" if args.timeout == 0 else f"within {args.timeout:g} s"
                 print(
@@ -115,6 +120,18 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         for signum in _FORWARDED:
             with contextlib.suppress(ValueError, RuntimeError):
                 loop.remove_signal_handler(signum)
+
+
+async def _other_limit(lock: RedisSemaphore, args: argparse.Namespace) -> str:
+    """Why a semaphore with another stored limit was refused, and what to type instead."""
+    stored = (await lock.inspect()).limit
+    said = "another limit" if stored is None else f"limit {stored}"
+    keep = "" if stored is None else f"give --limit {stored}, or "
+    return (
+        f"semaphore {args.name!r} is stored with {said}, not {args.limit}: {keep}add "
+        f"--set-limit to store {args.limit} (every user of the name must then give "
+        f"--limit {args.limit})"
+    )
 
 
 async def _hold_while_running(

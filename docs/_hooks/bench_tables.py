@@ -415,6 +415,67 @@ def _scale(data: dict[str, Any]) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+def _scale_burst(data: dict[str, Any]) -> str:
+    """bench_scale.py --burst: one row per build and N (in run order), then the targets."""
+    header = (
+        "build",
+        "N",
+        "acquire/s",
+        "release/s",
+        "release s",
+        "unconfirmed",
+        "lost",
+        "keeper µs/renewal",
+        "keeper CPU share",
+        "longest stall s (acquire / release)",
+        "full GCs s (acquire / release)",
+        "load",
+    )
+    rows: list[Row] = []
+    for row in data["rows"]:
+        if "error" in row:
+            rows.append((row["build"], _num(row["n"]), row["error"], *("-",) * 9))
+            continue
+        rows.append(
+            (
+                row["build"],
+                _num(row["n"]),
+                _num(row["acquire_per_s"]),
+                _num(row["release_per_s"]),
+                _num(row["release_s"], 2),
+                _num(row["unconfirmed"]),
+                _num(row["lost"]),
+                _num(row["keeper_cpu_us_per_renewal"] if row["keeper_renewals"] else None, 1),
+                _num(row["keeper_cpu_share"], 3),
+                f"{_num(row['acquire_loop_stall_max_s'], 1)} / "
+                f"{_num(row['release_loop_stall_max_s'], 1)}",
+                f"{_num(row['acquire_gc_full_s'], 1)} / {_num(row['release_gc_full_s'], 1)}",
+                _num(row["loadavg_start"][0], 1),
+            )
+        )
+    targets = [
+        (
+            build,
+            _num(entry.get(next(k for k in entry if k.startswith("acquire_per_s_"))), 2),
+            _num(entry.get(next(k for k in entry if k.startswith("release_per_s_"))), 2),
+            _num(entry["unconfirmed"]),
+            _num(entry["lost"]),
+            "yes" if entry["met"] else "no",
+        )
+        for build, entry in data.get("targets", {}).items()
+    ]
+    target_header = (
+        "build",
+        "acquire/s largest ÷ smallest N",
+        "release/s largest ÷ smallest N",
+        "unconfirmed",
+        "lost",
+        "targets met",
+    )
+    parts = [_machine(data), _table(header, rows), _table(target_header, targets)]
+    return "\n\n".join(parts)
+
+
 def _scale_calls(data: dict[str, Any]) -> str:
     header = ("leases per call", "server µs per call", "server µs per lease", "client µs per lease")
     rows = [
@@ -517,6 +578,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "expiry": _expiry,
     "scale": _scale,
     "scale_before": _scale,
+    "scale_burst": _scale_burst,
+    "scale_burst_gc_off": _scale_burst,
     "scale_calls": _scale_calls,
     "peers": _peers,
     "mutex": _mutex,

@@ -87,9 +87,14 @@ def on_queued(client: AnyRedis, queued: Callable[[str], None]) -> None:
     seen: set[str] = set()
 
     async def run(
-        script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...], *, retry: bool = True
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        retry: bool = True,
+        sent: Any = None,
     ) -> Any:
-        reply = await inner(script, keys, args, retry=retry)
+        reply = await inner(script, keys, args, retry=retry, sent=sent)
         token = queued_token(("EVALSHA", script.sha, len(keys), *keys, *args), reply)
         if token is not None and token not in seen:
             seen.add(token)
