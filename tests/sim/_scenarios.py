@@ -11,7 +11,7 @@ from typing import Any
 from aiolocks import LockLost, RedisMultiLock, RedisMutex, ServerUnavailable
 
 from ._loop import Proc
-from ._workload import Resource, Run, _close_loop
+from ._workload import Resource, Run, _close_loop, _validity
 from ._world import TIMEOUT_SLACK, TRY_BOUND, Hold, Result, World
 
 SCENARIOS: dict[str, Callable[[], Result]] = {}
@@ -122,6 +122,7 @@ class Scene:
             await lock.release()
         except LockLost as exc:
             self.world.net.log(f"{who}: release raised {exc!r}")
+        valid = max(valid, _validity(hold, valid))  # renewals move it while the release waits
         self.run.check_call_time(
             proc, hold.released_at, max(0.0, valid - hold.released_at), f"{who} release",
             slack=0.3,

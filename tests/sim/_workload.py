@@ -282,6 +282,8 @@ class Run:
                     pass  # documented: the server unreachable (a restart) during release
                 except LockError as exc:
                     self.world.violate(f"release of {hold.names} raised {exc!r}")
+                # The wait follows the validity as renewals move it (`release_until`).
+                valid = max(valid, _validity(hold, valid))
                 self.check_call_time(
                     proc, hold.released_at, max(0.0, valid - hold.released_at),
                     f"release {hold.kind} {hold.names}", slack=LOST_SLACK,
@@ -510,6 +512,10 @@ class Run:
             f"ORPHANED {name!r}: owned for {now - since:.3f} s by {proc.name}'s token "
             f"{token[:8]}, which no task there holds, while {len(waiting)} wait(s)"
         )
+
+
+def _validity(hold: Hold, default: float) -> float:
+    return min((lease.valid_until for lease in hold.leases), default=default)
 
 
 def try_bound(proc: Proc) -> float:
