@@ -49,7 +49,9 @@ __all__ = [
     "completed",
     "release",
     "release_surely",
+    "settled",
     "shielded",
+    "unstopped",
     "withdraw",
 ]
 
@@ -178,6 +180,7 @@ async def acquire(
     unreachable = False
     call = True  # the next step is a call to the acquire script (else: sleep first)
     carrying = False  # waiting for a local holder's release to carry it
+    in_flight: asyncio.Future[Any] | None = None  # its own call, while unanswered
     try:
         if blocking and context.notifier.watching(spec.channel):
             waiter = _park(context, spec, token, ttl_ms, deadline)
@@ -221,15 +224,16 @@ async def acquire(
             dirty = True
             written: list[float] = []  # when the call went out (behind a burst: later)
             try:
-                reply = await _bounded(
-                    context.run(
-                        spec.acquire,
-                        spec.keys,
-                        (member, mode, spec.channel, *spec.args),
-                        sent=written.append,
-                    ),
-                    deadline,
+                pending = context.run(
+                    spec.acquire,
+                    spec.keys,
+                    (member, mode, spec.channel, *spec.args),
+                    sent=written.append,
                 )
+                in_flight = unstopped(context, pending)
+                shielded_call = pending if in_flight is None else asyncio.shield(in_flight)
+                reply = await _bounded(shielded_call, deadline)
+                in_flight = None
             except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
                 dirty = answered  # refused before it ran: nothing changed by this call
                 raise
@@ -323,7 +327,49 @@ async def acquire(
             until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
             if unreachable:
                 until = time.monotonic() + GRACE
-            await withdraw(context, spec, token, ttl_ms, until)
+            after = None
+            if in_flight is not None:
+                after = _answered(context, spec, in_flight, sent_at, written)
+            await withdraw(context, spec, token, ttl_ms, until, after=after)
+
+
+def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`call` (a script call that may grant or queue a token) in a task of its own, to await
+    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
+    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
+    Only where the clean-up would not follow it on one connection (auto-pipelining off,
+    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
+    nothing, and the call then grant or queue the departed token for its ttl). None through
+    the auto-pipeline: `call` is awaited as it is."""
+    if context.autopipe is not None:
+        return None
+    return asyncio.ensure_future(call)
+
+
+async def settled(in_flight: asyncio.Future[T]) -> T | None:
+    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
+    lost reply: the clean-up sent next withdraws whatever it did)."""
+    try:
+        return await in_flight
+    except Exception:
+        return None
+
+
+async def _answered(
+    context: ClientContext,
+    spec: Spec,
+    in_flight: asyncio.Future[Any],
+    sent_at: float,
+    written: list[float],
+) -> None:
+    """Wait for the acquire call a departed acquisition left in flight, and wake the local
+    waiters its reply granted (`written`: when the call went out, if it was told)."""
+    reply = await settled(in_flight)
+    if reply is None:
+        return
+    grants = 2 if int(reply[0]) in (GRANTED, REFUSED) else 3
+    if len(reply) > grants:
+        wake_granted(context, spec, reply, grants, written[0] if written else sent_at)
 
 
 def _granted(context: ClientContext, spec: Spec, token: str, fence: int, at: float) -> Grant:
@@ -609,13 +655,17 @@ async def withdraw(
     ttl_ms: int,
     until: float | None,
     call: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    after: Awaitable[Any] | None = None,
 ) -> bool:
     """Run the release script for `token` in a task of its own that outlives the caller:
     awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
     the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
-    ttl the server has forgotten the token by itself), and a failure is logged."""
-    task = _background_release(context, spec, token, ttl_ms, call)
+    ttl the server has forgotten the token by itself), and a failure is logged. `after`:
+    awaited first, in that task, for at most as long (the reply of the token's own call in
+    flight, see `_answered`; past it, that call is abandoned and the release sent)."""
+    task = _background_release(context, spec, token, ttl_ms, call, after)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))
@@ -628,13 +678,15 @@ def _background_release(
     token: str,
     ttl_ms: int,
     call: Callable[[], Awaitable[Any]] | None = None,
+    after: Awaitable[Any] | None = None,
 ) -> asyncio.Future[None]:
     """Start `call` (by default the release script for `token`) in a background task that
-    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl)."""
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl);
+    after `after`, if given (awaited for at most as long)."""
     bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
     if call is None:
         call = functools.partial(release, context, spec, token, ttl_ms)
-    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound))
+    task = asyncio.ensure_future(_withdraw(call, spec.name, token, bound, after))
     for running in (_BACKGROUND, context.cleanups):
         running.add(task)
         task.add_done_callback(running.discard)
@@ -642,10 +694,19 @@ def _background_release(
 
 
 async def _withdraw(
-    call: Callable[[], Awaitable[Any]], name: str, token: str, bound: float
+    call: Callable[[], Awaitable[Any]],
+    name: str,
+    token: str,
+    bound: float,
+    after: Awaitable[Any] | None = None,
 ) -> None:
     """Run `call` (the release of `token`), trying again (with a back-off) while the server
-    cannot be reached, for at most `bound` seconds."""
+    cannot be reached, for at most `bound` seconds; after `after`, awaited as long at most."""
+    if after is not None:
+        try:
+            await asyncio.wait_for(after, bound)
+        except TimeoutError:
+            log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
     give_up = time.monotonic() + bound
     delay = _RETRY_MIN
     while True:

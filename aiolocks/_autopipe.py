@@ -53,11 +53,12 @@ MAX_BATCH = 512
 IDLE_S = 5.0
 # How long `aclose()` waits for the replies of batches on their way before it closes the link.
 CLOSE_BOUND = 1.0
-# A direct link on a connection without a socket_timeout waits this long at most for a
-# reply before it is broken (its calls then go once more on a new connection, as on a lost
-# connection). One blackholed connection (a peer gone without a reset) would otherwise hold
-# every script call of the client for as long as TCP takes to give up (minutes). Longer
-# than a server stalls in normal use (a failover's CLIENT PAUSE, a slow script).
+# A link on a connection without a socket_timeout waits this long at most for a reply
+# before it is broken (its calls then go once more on a new connection, as on a lost
+# connection): a direct link since it last had a reply, a reader task per reply read. One
+# blackholed connection (a peer gone without a reset) would otherwise hold every script
+# call of the client for as long as TCP takes to give up (minutes). Longer than a server
+# stalls in normal use (a failover's CLIENT PAUSE, a slow script).
 STALL_BOUND = 10.0
 # Replies parsed in the transport's callback (see `_Replies`); off: a reader task reads
 # them through redis-py, as on connections that are not plain sockets (for tests).
@@ -430,6 +431,8 @@ class AutoPipeline:
     async def _read(self, link: _Link) -> None:
         """Read the replies of `link`'s batches in order and hand each to its caller (a
         direct link's are parsed as they arrive: there it only waits), then retire it."""
+        # redis-py bounds a read by the connection's socket_timeout; STALL_BOUND without.
+        bound = None if getattr(link.connection, "socket_timeout", None) else STALL_BOUND
         try:
             while await self._next(link):
                 batch = link.pending[0]
@@ -440,9 +443,13 @@ class AutoPipeline:
                         if link.broken is not None:
                             raise link.broken
                         try:
-                            result = await link.connection.read_response()
+                            async with asyncio.timeout(bound):
+                                result = await link.connection.read_response()
                         except redis.exceptions.ResponseError as exc:
                             result = exc
+                        except TimeoutError:  # STALL_BOUND (redis-py closed the connection)
+                            stalled = redis.exceptions.TimeoutError("Timeout reading from socket")
+                            raise stalled from None
                         answered += 1
                         self._settle(call, result, again)
                 finally:

@@ -304,12 +304,17 @@ class LeasedLock:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it
         back and raise `NotReplicated` if they do not within `replica_timeout`."""
         given_back = False
+        # The acquire script again (it may grant the token anew), on a pooled connection of
+        # its own even with auto-pipelining: in a task that leaving does not stop, and the
+        # give-back is sent after its reply (`_acquire.unstopped`).
+        confirming = _acquire.confirm(
+            context, self._spec, grant.token, self._ttl_ms, self._replicas,
+            self._replica_timeout_ms,
+        )  # fmt: skip
+        in_flight = asyncio.ensure_future(confirming)
         try:
             with map_redis_errors(self._name):
-                status, acked = await _acquire.confirm(
-                    context, self._spec, grant.token, self._ttl_ms,
-                    self._replicas, self._replica_timeout_ms,
-                )  # fmt: skip
+                status, acked = await asyncio.shield(in_flight)
             if status != _acquire.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
@@ -328,10 +333,10 @@ class LeasedLock:
                 )
         except BaseException:
             if not given_back:
-                await _acquire.shielded(
-                    lambda: _acquire.release(context, self._spec, grant.token, self._ttl_ms),
-                    _acquire.CLEANUP_BOUND,
-                )
+                await _acquire.withdraw(
+                    context, self._spec, grant.token, self._ttl_ms, None,
+                    after=_acquire.settled(in_flight),
+                )  # fmt: skip
             raise
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
@@ -486,13 +491,19 @@ class LeasedLock:
         token = secrets.token_hex(16)
         script, keys = self._adopt_call()
         sent_at = time.monotonic()
+        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
+        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             with map_redis_errors(self._name):
-                taken = await context.run(script, keys, (handle.token, token, self._ttl_ms))
+                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
         except BaseException:
-            # The script may have run: give back what the new token may hold.
-            await _acquire.shielded(
-                lambda: self._release_call(context, token), _acquire.CLEANUP_BOUND
+            # The script may have run: give back what the new token may hold (after its
+            # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
+            # background.
+            release = functools.partial(self._release_call, context, token)
+            after = None if in_flight is None else _acquire.settled(in_flight)
+            await _acquire.withdraw(
+                context, self._spec, token, self._ttl_ms, None, release, after=after
             )
             raise
         if not int(taken):

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any, final
 
 from redis.asyncio.cluster import RedisCluster
@@ -199,16 +199,20 @@ class RedisMultiLock(LeasedLock):
             with map_redis_errors(self._name):
                 return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
 
+        pending = call()
+        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
         try:
+            shielded = pending if in_flight is None else asyncio.shield(in_flight)
             if deadline is None:
-                reply = await call()
+                reply = await shielded
             else:
-                reply = await asyncio.wait_for(call(), max(0.0, deadline - sent_at))
+                reply = await asyncio.wait_for(shielded, max(0.0, deadline - sent_at))
         except BaseException as exc:
-            # The script may have run: give back whatever the token may hold, awaited up to
-            # the deadline (a little past it), then in the background.
+            # The script may have run: give back whatever the token may hold (after its
+            # reply), awaited up to the deadline (a little past it), then in the background.
             taken.unconfirmed = True
-            await self._give_back(context, token, taken, deadline)
+            after = None if in_flight is None else _acquire.settled(in_flight)
+            await self._give_back(context, token, taken, deadline, after)
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
@@ -239,10 +243,16 @@ class RedisMultiLock(LeasedLock):
         taken.fences[spec.name] = grant.fence
 
     async def _give_back(
-        self, context: ClientContext, token: str, taken: _Taken, deadline: float | None
+        self,
+        context: ClientContext,
+        token: str,
+        taken: _Taken,
+        deadline: float | None,
+        after: Awaitable[Any] | None = None,
     ) -> None:
         """Release every name `token` may hold, awaited until a little past `deadline` (or up
-        to CLEANUP_BOUND without one), then in the background, as `_acquire.withdraw`."""
+        to CLEANUP_BOUND without one), then in the background, as `_acquire.withdraw`; after
+        `after` (the reply of its call in flight)."""
         for lease in taken.leases:
             context.keeper.drop(lease)
         taken.leases.clear()
@@ -253,7 +263,7 @@ class RedisMultiLock(LeasedLock):
             until = None if deadline is None else max(deadline, time.monotonic()) + _acquire.GRACE
             await _acquire.withdraw(
                 context, specs[0], token, self._ttl_ms, until,
-                call=functools.partial(self._release_all, context, specs, token),
+                call=functools.partial(self._release_all, context, specs, token), after=after,
             )  # fmt: skip
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:

@@ -3,8 +3,9 @@
 Clients connect to `Proxy.url` instead of the server. The test can then stall all traffic
 (nothing is forwarded either way until `resume`), add one-way latency, drop every
 connection at once, or drop the connection that carries a matching request, either before
-the server sees it or after the server ran it but before the reply gets back. Everything
-listens on 127.0.0.1 only.
+the server sees it or after the server ran it but before the reply gets back, or hold a
+matching request back for a while (the later traffic of its connection waits behind it;
+other connections overtake it). Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ Match = Callable[[bytes], bool]
 
 @dataclass
 class Drop:
-    """An armed drop (see `Proxy.drop_on`): `fired` is set, and `at` (monotonic) noted,
-    when it happened."""
+    """An armed drop (see `Proxy.drop_on`) or delay (`Proxy.delay_on`): `fired` is set, and
+    `at` (monotonic) noted, when it happened; for a delay, `answered` is set when the server
+    has answered the request (its reply came back to the proxy, whether or not the client
+    still reads it)."""
 
     match: Match
-    point: str  # "request": drop instead of forwarding; "reply": drop when the reply comes
+    point: str  # "request": drop instead of forwarding; "reply": drop when the reply comes;
+    # "delay": forward `delay` seconds late
     fired: asyncio.Event = field(default_factory=asyncio.Event)
     at: float | None = None
+    delay: float = 0.0
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     def fire(self) -> None:
         self.at = time.monotonic()
@@ -52,6 +58,7 @@ class _Link:
         self.client_reader, self.client_writer = client
         self.server_reader, self.server_writer = server
         self.drop_on_reply: Drop | None = None
+        self.delayed: Drop | None = None  # a delayed request, until its reply comes
         self.tasks: list[asyncio.Task[None]] = []
         # Set while it forwards; cleared by `Proxy.blackhole_open` for good (a peer gone
         # without a reset: nothing comes back, nothing fails).
@@ -72,6 +79,12 @@ class _Link:
             while True:
                 data = await reader.read(_CHUNK)
                 if not data:
+                    if upstream and self.delayed is not None:
+                        # The client left while its delayed request was on its way: the
+                        # server still gets it, then the end (as the network delivers what
+                        # was sent before a close); the reply ends the link.
+                        self.server_writer.write_eof()
+                        return
                     break
                 if self.proxy.latency > 0:
                     await asyncio.sleep(self.proxy.latency)  # one-way delay, order kept
@@ -82,17 +95,23 @@ class _Link:
                     if trigger is not None and trigger.point == "request":
                         trigger.fire()
                         break  # the server never sees it
-                    if trigger is not None:
+                    if trigger is not None and trigger.point == "delay":
+                        trigger.fire()
+                        self.delayed = trigger
+                        await asyncio.sleep(trigger.delay)
+                    elif trigger is not None:
                         self.drop_on_reply = trigger
-                elif self.drop_on_reply is not None:
+                elif self.delayed is not None:
+                    self.delayed.answered.set()
+                    self.delayed = None
+                if not upstream and self.drop_on_reply is not None:
                     self.drop_on_reply.fire()
                     break  # the server ran it; the client never sees the reply
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
             pass
-        finally:
-            self.close()
+        self.close()
 
     def close(self) -> None:
         for writer in (self.client_writer, self.server_writer):
@@ -179,6 +198,14 @@ class Proxy:
         if point not in ("request", "reply"):
             raise ValueError(f"point must be 'request' or 'reply', not {point!r}")
         trigger = Drop(match, point)
+        self._triggers.append(trigger)
+        return trigger
+
+    def delay_on(self, match: Match, delay: float) -> Drop:
+        """Hold the next request chunk that `match`es back `delay` seconds, once, before
+        forwarding it; what follows it on its connection waits behind it. It reaches the
+        server even if the client closes the connection meanwhile."""
+        trigger = Drop(match, "delay", delay=delay)
         self._triggers.append(trigger)
         return trigger
 
