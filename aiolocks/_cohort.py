@@ -26,7 +26,7 @@ from . import _acquire, _telemetry
 from ._leases import Lease, validity
 
 if TYPE_CHECKING:
-    from ._acquire import Spec
+    from ._acquire import Spec, Unanswered
     from ._context import ClientContext
     from ._holding import Holding, LeasedLock
 
@@ -191,10 +191,13 @@ class Cohort:
 
     # -- release ---------------------------------------------------------------------------
 
-    async def release(self, lock: LeasedLock, holding: Holding) -> bool | None:
+    async def release(
+        self, lock: LeasedLock, holding: Holding, until: float | None = None
+    ) -> bool | Unanswered | None:
         """Release `holding` (already taken from `lock`): hand it to the next local task, or
         give the lease back through Redis. Returns True when it was held (False if not,
-        None if unsure: see `_acquire.release`)."""
+        None if unsure: see `_acquire.release`); UNANSWERED when Redis did not answer by
+        `until` (the lease's validity; the call then goes on in the background)."""
         try:
             if self._holder is not None and self._holder[1] is holding:
                 self._holder = None
@@ -203,14 +206,25 @@ class Cohort:
                 return await _acquire.release(
                     self._context, self._spec, holding.token, self._ttl_ms
                 )
+            lease = self._lease
+            if lease is not None and lease.remaining <= 0:
+                # Its validity ended unrenewed (a stalled loop): not passed on locally (the
+                # server may have ended it), but given back; the holder learns it is lost,
+                # as a mutex holder releasing past its validity does.
+                answer = await _acquire.answered_by(self._return(holding.token), until)
+                return answer if isinstance(answer, _acquire.Unanswered) else False
             waiter = self._next_waiter()
             if waiter is not None and self.passes < self.bound:
                 self._pass(waiter, lock._spec)
                 return True
             if waiter is not None:
                 self._queue.appendleft(waiter)
-                return await _acquire.completed(self._keep_or_return(holding.token, lock._spec))
-            return await self._return(holding.token)
+                return await _acquire.answered_by(
+                    self._keep_or_return(holding.token, lock._spec), until
+                )
+            if until is None:
+                return await self._return(holding.token)
+            return await _acquire.answered_by(self._return(holding.token), until)
         finally:
             self._retire_if_idle()
 

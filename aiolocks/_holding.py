@@ -416,22 +416,23 @@ class LeasedLock:
             )  # fmt: skip
             raise self._lost_error(holding)
         with map_redis_errors(self._name):
+            # Waited for no longer than the lease is known valid: past that, whether it
+            # was released or lost cannot be told, and the report must not wait.
+            valid_until = None if holding.lease is None else holding.lease.valid_until
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
-                held = await cohort.release(self, holding)
+                answer = await cohort.release(self, holding, valid_until)
             else:
-                # Waited for no longer than the lease is known valid: past that, whether it
-                # was released or lost cannot be told, and the report must not wait.
                 answer = await self._release_surely(context, holding)
-                if isinstance(answer, _acquire.Unanswered):
-                    holding.lost_reason = (
-                        "Redis did not answer its release before the lease's validity ended "
-                        "(the release goes on in the background)"
-                    )
-                    _telemetry.on_lease_lost(self._spec, holding.token)
-                    holding.lost.set()
-                    raise self._lost_error(holding)
-                held = answer
+            if isinstance(answer, _acquire.Unanswered):
+                holding.lost_reason = (
+                    "Redis did not answer its release before the lease's validity ended "
+                    "(the release goes on in the background)"
+                )
+                _telemetry.on_lease_lost(self._spec, holding.token)
+                holding.lost.set()
+                raise self._lost_error(holding)
+            held = answer
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.

@@ -491,7 +491,7 @@ class Notifier:
         lot = self._waitqueue.lot(wake)
         if lot is not None:
             lot.note_lease(ttl, grant=True)
-        self._waitqueue.unpark(token, fence)
+        self._waitqueue.unpark(token, fence, channel=wake)
 
     async def aclose(self) -> None:
         for link in list(self._links.values()):

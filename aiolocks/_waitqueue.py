@@ -313,9 +313,13 @@ class WaitQueue:
         elif was_head:
             lot._promoted()  # the lot's timer serves the new head: no wake
 
-    def unpark(self, token: str, fence: int, after: float | None = None) -> bool:
+    def unpark(
+        self, token: str, fence: int, after: float | None = None, channel: bytes | None = None
+    ) -> bool:
         """Deliver a grant to the waiter holding `token` (`after`: a moment known to precede
-        the grant); False if it is not ours. A stale grant (`Waiter.stale`) is dropped."""
+        the grant); False if it is not ours. A stale grant (`Waiter.stale`) is dropped.
+        `channel`: the name's the grant is for; a multi-lock's one token waits on one name
+        at a time, and a late grant of another of its names must not wake that waiter."""
         waiter = self._by_token.get(token)
         if waiter is None:
             departed = self._departed.pop(token, None)
@@ -323,6 +327,8 @@ class WaitQueue:
                 return False
             departed[1]()  # granted after it left: handed on at once
             return True
+        if channel is not None and waiter.lot.channel != channel:
+            return False
         if waiter.stale(fence):
             return True
         if waiter.lot.carries:

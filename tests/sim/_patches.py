@@ -1,0 +1,158 @@
+"""What the simulation changes in the code it runs, all by monkeypatching (aiolocks itself
+is not edited): clocks on virtual time, tokens from the seed, auto-pipelining per
+process, and a record of what the engine believes (lease validity, loss reports)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ._loop import PROCESS, VirtualLoop
+
+
+class _Clock:
+    """Stands in for the `time` module in aiolocks: `monotonic()` is the loop's time."""
+
+    def __init__(self, loop: VirtualLoop) -> None:
+        import time as real
+
+        self._real = real
+        self._loop = loop
+
+    def monotonic(self) -> float:
+        return self._loop.time()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _Secrets:
+    """Stands in for `secrets` in aiolocks: tokens from the run's seed."""
+
+    def __init__(self, rng: random.Random, recorder: Recorder) -> None:
+        self._rng = rng
+        self._recorder = recorder
+
+    def token_hex(self, nbytes: int = 32) -> str:
+        token = f"{self._rng.getrandbits(nbytes * 8):0{nbytes * 2}x}"
+        self._recorder.tokens[token] = PROCESS.get()
+        return token
+
+
+class Recorder:
+    """What the engine believes, as the invariants need it: each lease's validity over
+    time, and when each holding's loss was reported."""
+
+    def __init__(self, loop: VirtualLoop) -> None:
+        self.loop = loop
+        self.validity: dict[int, list[tuple[float, float]]] = {}  # id(lease) -> (at, until)
+        self.keep: list[Any] = []  # the leases (so ids stay unique for the run)
+        self.tokens: dict[str, Any] = {}  # token -> the process that made it
+
+
+class _LostEvent(asyncio.Event):
+    """A holding's `lost` event that remembers when it was set."""
+
+    at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = asyncio.get_running_loop().time()
+        super().set()
+
+
+def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
+    """Patch the engine (and fakeredis' clock) for one run on `loop`; returns the recorder."""
+    import fakeredis._socket._base as fr_base
+    import fakeredis.commands_mixins.server_mixin as fr_server
+
+    import aiolocks._context
+    import aiolocks._holding
+    import aiolocks._leases
+
+    from ._net import ServerClock
+
+    fr_base.time = ServerClock(loop)  # type: ignore[attr-defined,assignment]
+    fr_server.time = ServerClock(loop)  # type: ignore[attr-defined,assignment]
+    clock = _Clock(loop)
+    recorder = Recorder(loop)
+    secrets = _Secrets(rng, recorder)
+    for name, module in list(sys.modules.items()):
+        if name == "aiolocks" or name.startswith("aiolocks."):
+            if getattr(getattr(module, "time", None), "__name__", "") in ("time",) or isinstance(
+                getattr(module, "time", None), _Clock
+            ):
+                module.time = clock  # type: ignore[attr-defined]
+            if hasattr(module, "secrets"):
+                module.secrets = secrets  # type: ignore[attr-defined]
+
+    def autopipelining() -> bool:
+        proc = PROCESS.get()
+        return bool(getattr(proc, "autopipe", True))
+
+    aiolocks._context.autopipelining = autopipelining
+
+    lease_cls = aiolocks._leases.Lease
+    slot = lease_cls.__dict__.get("valid_until")
+    if not isinstance(slot, _ValidUntil):
+        slot = _ValidUntil(slot)
+        setattr(lease_cls, "valid_until", slot)  # noqa: B010 (a slot: mypy refuses the plain form)
+    slot.recorder = recorder
+
+    holding_cls = aiolocks._holding.Holding
+    init: Callable[..., None] = getattr(holding_cls.__init__, "__wrapped_init__", None) or (
+        holding_cls.__init__
+    )
+
+    def holding_init(self: Any, task: Any, token: str, fence: int) -> None:
+        init(self, task, token, fence)
+        self.lost = _LostEvent()
+
+    holding_init.__wrapped_init__ = init  # type: ignore[attr-defined]
+    holding_cls.__init__ = holding_init  # type: ignore[method-assign]
+    return recorder
+
+
+class _ValidUntil:
+    """`Lease.valid_until` (a slot), recording every value it takes and when."""
+
+    recorder: Recorder | None = None
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return self.inner.__get__(obj, owner)
+
+    def __set__(self, obj: Any, value: float) -> None:
+        self.inner.__set__(obj, value)
+        recorder = self.recorder
+        if recorder is not None:
+            history = recorder.validity.get(id(obj))
+            if history is None:
+                history = recorder.validity[id(obj)] = []
+                recorder.keep.append(obj)
+            history.append((recorder.loop.time(), value))
+
+
+def lapse(recorder: Recorder, lease: Any, until: float) -> float | None:
+    """When `lease`'s validity ran out for good before `until` (None if it did not): its
+    holder believes it holds nothing from then on. A renewal sent before the validity ended
+    but answered just after it extends it again (the engine counts validity from the
+    renewal's send time), so a lapse it repairs is not the end."""
+    history = recorder.validity.get(id(lease))
+    if not history:
+        return None
+    current = history[0][1]
+    for at, value in history[1:]:
+        if at >= until:
+            break
+        if at > current and value <= at:
+            return current  # ran out, and what came after did not bring it back
+        current = value
+    return current if current < until else None

@@ -1,0 +1,429 @@
+"""Scripted scenarios run by the same simulator and checked by the same invariants: each
+reproduces one of issue 24's five bugs on the code before its fix (`python -m tests.sim
+--scenario NAME`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiolocks import LockLost, RedisMultiLock, RedisMutex, ServerUnavailable
+
+from ._loop import Proc
+from ._workload import Resource, Run, _close_loop, _validity
+from ._world import TIMEOUT_SLACK, TRY_BOUND, Hold, Result, World
+
+SCENARIOS: dict[str, Callable[[], Result]] = {}
+
+
+def scenario(function: Callable[[Scene], Awaitable[None]]) -> Callable[[], Result]:
+    name = function.__name__.replace("_", "-")
+
+    def play() -> Result:
+        return Scene(name, keyspace=False).play(function)
+
+    play.__doc__ = function.__doc__
+    SCENARIOS[name] = play
+    return play
+
+
+class Scene:
+    """A world with a liveness monitor on the mutex name "m", driven step by step."""
+
+    def __init__(self, name: str, keyspace: bool) -> None:
+        self.name = name
+        self.world = World(24, keyspace_events=keyspace)
+        self.run = Run(self.world, 0.0)
+        self.run.resources = [Resource("mutex", ("m",), 1.0)]
+        self.run.strict = {"m"}
+        self.loop = self.world.loop
+
+    def play(self, function: Callable[[Scene], Awaitable[None]]) -> Result:
+        world = self.world
+
+        async def main() -> None:
+            monitor = self.loop.create_task(self.run.monitor(), context=world.sim)
+            try:
+                await function(self)
+            finally:
+                monitor.cancel()
+            world.check_history()
+            self.run.check_losses()
+
+        try:
+            self.loop.run_until_complete(self.loop.create_task(main(), context=world.sim))
+        except Exception as exc:
+            world.violate(f"scenario failed: {exc!r}")
+        finally:
+            _close_loop(self.loop)
+        result = Result(0)
+        result.violations = world.violations
+        result.trace = list(world.net.trace)
+        result.summary = f"scenario {self.name}: {len(world.holds)} holdings"
+        return result
+
+    def proc(self, name: str, autopipe: bool = True) -> Proc:
+        return self.world.new_proc(name, autopipe=autopipe, socket_timeout=None, retry=False)
+
+    def start(self, proc: Proc, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        return self.world.spawn(proc, coro, name)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def at(self) -> float:
+        return self.loop.time()
+
+    async def acquire(
+        self,
+        proc: Proc,
+        lock: Any,
+        who: str,
+        names: tuple[str, ...] = ("m",),
+        kind: str = "mutex",
+        **kwargs: Any,
+    ) -> Hold | None:
+        """`lock.acquire(**kwargs)` as a task of `proc`, checked like the random runs'."""
+        world, run = self.world, self.run
+        task = asyncio.current_task()
+        assert task is not None
+        start = self.loop.time()
+        world.waiting.setdefault(names[0], {})[task] = (proc, start)
+        world.acquires += 1
+        limit = kwargs.get("timeout")
+        if kwargs.get("blocking") is False:
+            limit = TRY_BOUND
+        try:
+            got = await lock.acquire(**kwargs)
+        except ServerUnavailable as exc:
+            run.check_call_time(proc, start, limit, f"{who} acquire")
+            if kwargs.get("blocking", True):
+                world.violate(f"{who}: a blocking acquire failed: {exc!r}")
+            return None
+        finally:
+            world.waiting.get(names[0], {}).pop(task, None)
+        run.check_call_time(proc, start, limit, f"{who} acquire", slack=TIMEOUT_SLACK)
+        if not got:
+            world.net.log(f"{who}: acquire returned False")
+            return None
+        res = Resource(kind, names, lock.ttl)
+        hold = run.record(proc, 0, res, lock, "", task, adopted=False)
+        hold.task = who
+        world.net.log(f"{who}: acquired, fence {hold.fences}")
+        return hold
+
+    async def release(self, proc: Proc, lock: Any, hold: Hold | None, who: str) -> None:
+        if hold is None:
+            return
+        hold.released_at = self.loop.time()
+        valid = min((lease.valid_until for lease in hold.leases), default=hold.released_at)
+        try:
+            await lock.release()
+        except LockLost as exc:
+            self.world.net.log(f"{who}: release raised {exc!r}")
+        valid = max(valid, _validity(hold, valid))  # renewals move it while the release waits
+        self.run.check_call_time(
+            proc, hold.released_at, max(0.0, valid - hold.released_at), f"{who} release",
+            slack=0.3,
+        )  # fmt: skip
+
+
+@scenario
+async def late_grant_message(scene: Scene) -> None:
+    """Bug 1: a grant message that arrives after the waiter's own re-check re-queued it is
+    believed, although the server has given the lock to someone else (ttl 1 s)."""
+    h, w, x = scene.proc("H"), scene.proc("W"), scene.proc("X")
+    clients = scene.world.clients
+
+    async def holder() -> None:
+        lock = RedisMutex(clients[h], "m", ttl=1.0)
+        hold = await scene.acquire(h, lock, "H")
+        await asyncio.sleep(0.5)
+        # W's loop stalls 1.5 s and its pub/sub link turns 1.75 s slow, then H releases to W.
+        scene.world.stall(w, 1.5)
+        for conn in scene.world.net.conns:
+            if conn.proc is w and conn.subscriber:
+                conn.push_delay = 1.75
+                scene.world.fault("push", w)
+        await scene.release(h, lock, hold, "H")
+
+    async def waiter() -> None:
+        lock = RedisMutex(clients[w], "m", ttl=1.0)
+        hold = await scene.acquire(w, lock, "W", timeout=10)
+        await asyncio.sleep(0.2)
+        await scene.release(w, lock, hold, "W")
+
+    async def other() -> None:
+        await asyncio.sleep(1.6)  # H releases at about +0.5: W's lease ends at about +1.5
+        lock = RedisMutex(clients[x], "m", ttl=1.0)
+        hold = await scene.acquire(x, lock, "X", timeout=10)
+        await asyncio.sleep(1.0)
+        await scene.release(x, lock, hold, "X")
+
+    tasks = [scene.start(h, holder(), "H")]
+    await asyncio.sleep(0.05)
+    tasks.append(scene.start(w, waiter(), "W"))
+    tasks.append(scene.start(x, other(), "X"))
+    await asyncio.wait(tasks, timeout=30)
+
+
+@scenario
+async def carried_waiter_without_timer(scene: Scene) -> None:
+    """Bug 2: a waiter carried by a release that no longer held the lock (its owner key was
+    taken over) is queued without a wake-up timer: with keyspace events off, after the real
+    holder crashes it waits its whole timeout while the lock is free."""
+    a, b = scene.proc("A"), scene.proc("B")
+    clients = scene.world.clients
+    lock_a = RedisMutex(clients[a], "m", ttl=2.0)
+    lock_b = RedisMutex(clients[b], "m", ttl=2.0)
+
+    async def first() -> None:
+        # A1 waits for B's short holding: A's client subscribes to the name (so A2, later,
+        # waits to be carried instead of queueing itself).
+        hold = await scene.acquire(a, lock_a, "A1", timeout=5)
+        assert hold is not None
+        await asyncio.sleep(0.1)
+        # The owner key is deleted under A1 (an eviction, a forced release) and B takes it.
+        scene.world.net.log("operator: DEL the owner key")
+        scene.world.net.run_command(b"DEL", b"aiolocks:mutex:{m}:owner")
+        hold.taken_away = scene.at()
+        scene.start(b, other(), "B2")
+        await asyncio.sleep(0.1)
+        scene.start(a, second(), "A2")
+        await asyncio.sleep(0.0005)  # A2 waits to be carried by A1's release
+        await scene.release(a, lock_a, hold, "A1")
+
+    async def short() -> None:
+        hold = await scene.acquire(b, lock_b, "B1")
+        await asyncio.sleep(0.1)
+        await scene.release(b, lock_b, hold, "B1")
+
+    async def other() -> None:
+        await scene.acquire(b, lock_b, "B2", timeout=1)
+        await asyncio.sleep(0.3)
+        scene.world.crash(b)  # B's lease ends 2 s after its last renewal
+
+    async def second() -> None:
+        hold = await scene.acquire(a, lock_a, "A2", timeout=12)
+        await scene.release(a, lock_a, hold, "A2")
+
+    scene.start(b, short(), "B1")
+    await asyncio.sleep(0.03)
+    scene.start(a, first(), "A1")
+    await asyncio.sleep(15)
+
+
+@scenario
+async def cancelled_carried_waiter(scene: Scene) -> None:
+    """Bug 3: auto-pipelining off, a carried waiter is cancelled; its clean-up reaches the
+    server before the carrying release (another connection), the release then grants the
+    departed waiter, which owns the lock for a whole ttl while another client waits."""
+    a, b = scene.proc("A", autopipe=False), scene.proc("B")
+    clients = scene.world.clients
+    lock_a = RedisMutex(clients[a], "m", ttl=5.0)
+    lock_b = RedisMutex(clients[b], "m", ttl=5.0)
+    net = scene.world.net
+
+    async def first() -> None:
+        # A1 waits for B's short holding: A's client subscribes to the name (so A2, later,
+        # waits to be carried instead of queueing itself).
+        hold = await scene.acquire(a, lock_a, "A1", timeout=5)
+        assert hold is not None
+        waiter = scene.start(a, second(), "A2")
+        await asyncio.sleep(0.0005)  # A2 waits to be carried by A1's release
+        # The release goes on a pooled connection, which turns slow; A2 is cancelled
+        # meanwhile, and its clean-up takes another connection, which is not.
+        for conn in net.conns:
+            if conn.proc is a and not conn.subscriber:
+                conn.stall(0.05)
+        scene.start(a, meanwhile(waiter), "A3")
+        await scene.release(a, lock_a, hold, "A1")
+        scene.start(b, later(), "B2")
+
+    async def meanwhile(waiter: asyncio.Task[Any]) -> None:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        waiter.cancel()
+
+    async def second() -> None:
+        await scene.acquire(a, lock_a, "A2", timeout=10)
+
+    async def short() -> None:
+        hold = await scene.acquire(b, lock_b, "B1")
+        await asyncio.sleep(0.1)
+        await scene.release(b, lock_b, hold, "B1")
+
+    async def later() -> None:
+        await asyncio.sleep(0.05)
+        hold = await scene.acquire(b, lock_b, "B2", timeout=20)
+        await scene.release(b, lock_b, hold, "B2")
+
+    scene.start(b, short(), "B1")
+    await asyncio.sleep(0.03)
+    scene.start(a, first(), "A1")
+    await asyncio.sleep(12)
+
+
+@scenario
+async def multilock_bounds(scene: Scene) -> None:
+    """Bug 4: RedisMultiLock ignores the engine's bounds during a 6 s server pause:
+    acquire(timeout=0.5) and blocking=False return seconds late, and release() with ttl 1
+    raises LockLost long after the validity ended."""
+    a, b = scene.proc("A"), scene.proc("B")
+    clients = scene.world.clients
+    names = ("m", "n")
+
+    async def holder() -> None:
+        lock = RedisMultiLock(clients[a], list(names), ttl=1.0)
+        hold = await scene.acquire(a, lock, "A", names=names, kind="multi")
+        await asyncio.sleep(0.1)
+        scene.world.fault("pause", None)
+        scene.world.net.pause(6.0)
+        await scene.release(a, lock, hold, "A")
+
+    async def others() -> None:
+        lock = RedisMultiLock(clients[b], list(names), ttl=1.0)
+        await asyncio.sleep(0.2)
+        await scene.acquire(b, lock, "B(timeout=0.5)", names=names, kind="multi", timeout=0.5)
+        other = RedisMultiLock(clients[b], list(names), ttl=1.0)
+        await scene.acquire(b, other, "B(blocking=False)", names=names, kind="multi",
+                            blocking=False)  # fmt: skip
+
+    scene.start(a, holder(), "A")
+    scene.start(b, others(), "B")
+    await asyncio.sleep(10)
+
+
+@scenario
+async def failed_config_get(scene: Scene) -> None:
+    """Bug 5: one failed CONFIG GET (its connection reset) ends a blocking acquire the
+    server had already answered (queued), instead of it waiting on."""
+    h, w = scene.proc("H"), scene.proc("W")
+    clients = scene.world.clients
+    dropped: list[int] = []
+
+    def drop_config_get(conn: Any, fields: list[bytes]) -> bool:
+        if conn.proc is w and fields[0].upper() == b"CONFIG" and not dropped:
+            dropped.append(conn.id)
+            scene.world.fault("reset", None)
+            return True
+        return False
+
+    scene.world.net.intercept = drop_config_get
+
+    async def holder() -> None:
+        lock = RedisMutex(clients[h], "m", ttl=2.0)
+        hold = await scene.acquire(h, lock, "H")
+        await asyncio.sleep(1.0)
+        await scene.release(h, lock, hold, "H")
+
+    async def waiter() -> None:
+        lock = RedisMutex(clients[w], "m", ttl=2.0)
+        hold = await scene.acquire(w, lock, "W", timeout=5)
+        if hold is None:
+            scene.world.violate("W: not granted the lock H released at +1 s (timeout 5 s)")
+        await scene.release(w, lock, hold, "W")
+
+    scene.start(h, holder(), "H")
+    await asyncio.sleep(0.05)
+    scene.start(w, waiter(), "W")
+    await asyncio.sleep(8)
+
+
+@scenario
+async def multilock_grant_for_another_name(scene: Scene) -> None:
+    """Found by the simulation (seed 1): a multi-lock uses one token for all its names, and
+    a late grant message for one name woke its waiter for another name, so `acquire()`
+    returned True without holding that name, while another client held it."""
+    a, b, c = scene.proc("A"), scene.proc("B"), scene.proc("C")
+    clients = scene.world.clients
+    net = scene.world.net
+    scene.run.strict = set()  # A's token owns "m" while it waits for "n": not orphaned
+
+    async def first_holder() -> None:
+        lock = RedisMutex(clients[b], "m", ttl=1.0)
+        hold = await scene.acquire(b, lock, "B")
+        await asyncio.sleep(0.2)
+        # B's release grants "m" to A by message, which A's pub/sub link delivers 1.9 s
+        # late; A learns the grant sooner, from its re-check at B's lease end, and queues
+        # for "n" (same token) before the message comes.
+        for conn in net.conns:
+            if conn.proc is a and conn.subscriber:
+                conn.push_delay = 1.9
+        await scene.release(b, lock, hold, "B")
+
+    async def second_holder() -> None:
+        lock = RedisMutex(clients[c], "n", ttl=3.0)
+        hold = await scene.acquire(c, lock, "C", names=("n",))
+        await asyncio.sleep(3.0)
+        await scene.release(c, lock, hold, "C")
+
+    async def multi() -> None:
+        lock = RedisMultiLock(clients[a], ["m", "n"], ttl=3.0)
+        hold = await scene.acquire(a, lock, "A", names=("m", "n"), kind="multi", timeout=6)
+        await asyncio.sleep(0.1)
+        await scene.release(a, lock, hold, "A")
+
+    scene.start(b, first_holder(), "B")
+    scene.start(c, second_holder(), "C")
+    await asyncio.sleep(0.05)
+    scene.start(a, multi(), "A")
+    await asyncio.sleep(8)
+
+
+@scenario
+async def cohort_pass_after_validity(scene: Scene) -> None:
+    """Found by the simulation (seed 113): a `local_handoff` holder whose lease's validity
+    ended during a loop stall released it to the next local task (no round trip, an old
+    fence), after another process had taken the name: that task was told it held a lease
+    already over, with a fence below the other holder's, and the releaser was not told of
+    its loss."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    lock = RedisMutex(clients[p], "m", ttl=1.0, local_handoff=2)
+    scene.run.strict = set()
+
+    async def first() -> None:
+        hold = await scene.acquire(p, lock, "P1", kind="cohort")
+        scene.start(p, second(), "P2")
+        await asyncio.sleep(0.15)  # the loop stalls meanwhile: this ends first after it
+        await scene.release(p, lock, hold, "P1")
+
+    async def second() -> None:
+        hold = await scene.acquire(p, lock, "P2", kind="cohort", timeout=5)
+        await asyncio.sleep(0.05)
+        await scene.release(p, lock, hold, "P2")
+
+    async def other() -> None:
+        await asyncio.sleep(1.2)
+        other_lock = RedisMutex(clients[q], "m", ttl=1.0)
+        hold = await scene.acquire(q, other_lock, "Q", timeout=5)
+        await asyncio.sleep(0.2)
+        await scene.release(q, other_lock, hold, "Q")
+
+    scene.start(p, first(), "P1")
+    scene.start(q, other(), "Q")
+    await asyncio.sleep(0.1)
+    scene.world.stall(p, 1.5)  # P's lease ends on the server meanwhile, and Q takes it
+    await asyncio.sleep(6)
+
+
+@scenario
+async def cohort_release_bound(scene: Scene) -> None:
+    """Found by the simulation (seed 5): a `local_handoff` holder's release that needs Redis
+    waited for it past the lease's validity (a stalled link, a server pause), where a
+    mutex's release raises `LockLost` once the validity ends."""
+    p = scene.proc("P")
+    lock = RedisMutex(scene.world.clients[p], "m", ttl=1.0, local_handoff=2)
+    scene.run.strict = set()
+
+    async def holder() -> None:
+        hold = await scene.acquire(p, lock, "P1", kind="cohort")
+        await asyncio.sleep(0.1)
+        scene.world.fault("pause", None)
+        scene.world.net.pause(6.0)
+        await scene.release(p, lock, hold, "P1")  # gives the lease back: Redis is needed
+
+    scene.start(p, holder(), "P1")
+    await asyncio.sleep(10)
