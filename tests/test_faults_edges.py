@@ -199,12 +199,16 @@ async def test_a_grant_read_after_a_loop_stall_is_confirmed_with_the_server(
         stalled: list[str] = []
 
         def stalled_unpark(
-            self: WaitQueue, token: str, fence: int, after: float | None = None
+            self: WaitQueue,
+            token: str,
+            fence: int,
+            after: float | None = None,
+            channel: bytes | None = None,
         ) -> bool:
             if self is target and not stalled:
                 stalled.append(token)
                 time.sleep(2.0)
-            return deliver(self, token, fence, after)
+            return deliver(self, token, fence, after, channel)
 
         monkeypatch.setattr(WaitQueue, "unpark", stalled_unpark)
         with contextlib.suppress(LockLost):
