@@ -727,6 +727,10 @@ async def _withdraw(
         except asyncio.CancelledError:
             raise  # the loop is shutting down
         except Exception as exc:
+            if cancelling():
+                # The cancellation met a connect or a socket and came out of redis-py as a
+                # connection error: stop here, or the loop's end waits out the whole bound.
+                raise asyncio.CancelledError from exc
             outage = isinstance(exc, _PASSING_OUTAGE) and not isinstance(exc, AUTHENTICATION_ERRORS)
             if not outage or time.monotonic() + delay >= give_up:
                 log.warning(

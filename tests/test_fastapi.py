@@ -9,6 +9,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -389,3 +390,28 @@ async def test_an_unreachable_redis_answers_503() -> None:
     assert response.status_code == 503
     assert response.json()["detail"]["error"] == "lock_unavailable"
     assert not gate.entered[1].is_set()
+
+
+def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None:
+    """The request's acquire could not reach Redis, so its clean-up goes on retrying in the
+    background; when the loop ends (`asyncio.run()` cancels it), it stops at once, even when
+    the cancellation meets the call and comes out of redis-py as a connection error. Before,
+    the loop's end waited out the clean-up's whole bound (max(5 s, ttl): 29 s here)."""
+
+    async def program() -> int:
+        with socket.socket() as sock:  # a loopback port nobody listens on
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+        try:
+            app = orders_app(Gate(), request_lock("orders:{order_id}", client=client))
+            async with http(app) as c:
+                response = await c.post("/orders/1")
+        finally:
+            await client.aclose()
+        return response.status_code
+
+    started = time.monotonic()
+    assert asyncio.run(program()) == 503
+    took = time.monotonic() - started
+    assert took < 5.0, f"the loop's end waited {took:.1f} s for a cancelled clean-up"
