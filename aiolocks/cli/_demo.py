@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 
-from .. import _cancel
+from .. import _adapter, _cancel
 from .._context import context_for
 from .._embedded import EmbeddedServer, die_with_parent, start_embedded_server
 from .._keys import KeySpace
@@ -301,15 +301,18 @@ async def _grants(
     pubsub: Any = listener.pubsub()  # redis-py leaves some of PubSub untyped
     try:
         if sharded:
-            await pubsub.ssubscribe(channel)
+            await _adapter.ssubscribe(pubsub, channel)  # by hand before redis-py 8.0
         else:
             await pubsub.subscribe(channel)
         # Wait (bounded) for the confirmation, so that no early hand-off goes unseen.
         await asyncio.wait_for(pubsub.get_message(timeout=None), 5.0)
 
         async def listen() -> None:
-            async for message in pubsub.listen():
-                if message["type"] in ("message", "smessage"):
+            # get_message, not listen(): before redis-py 8.0 a hand-sent SSUBSCRIBE is not
+            # among the channels listen() counts, and it would stop at once.
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is not None and message["type"] in ("message", "smessage"):
                     on_grant(message["data"])
 
         task = asyncio.ensure_future(listen())
