@@ -11,6 +11,7 @@ lot, re-armed lazily), so a new head is not woken to take it over.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import secrets
 import time
@@ -271,7 +272,10 @@ class WaitQueue:
         # Tokens of acquisitions that left with the server maybe holding state for them
         # (cancelled, timed out): token -> (until when a grant may still come, what hands
         # such a grant on). See `depart`.
-        self._departed: dict[str, tuple[float, Callable[[], object]]] = {}
+        # Oldest first, so expired ones are dropped from the front in O(1) each.
+        self._departed: collections.OrderedDict[str, tuple[float, Callable[[], object]]] = (
+            collections.OrderedDict()
+        )
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = secrets.token_hex(4)
 
@@ -343,11 +347,12 @@ class WaitQueue:
         Cluster), so a grant read for `token` in the next `within` seconds calls `hand_on`
         (which releases it) instead of being ignored for a whole lease."""
         now = time.monotonic()
-        for old, (until, _) in list(self._departed.items()):
-            if until > now:
-                break  # oldest first (near enough: a longer ttl just stays a little longer)
-            del self._departed[old]
-        self._departed[token] = (now + within, hand_on)
+        departed = self._departed
+        # Oldest first (near enough: a longer ttl just stays a little longer); no copy of
+        # the whole map per departure, which made a cancellation storm quadratic.
+        while departed and next(iter(departed.values()))[0] <= now:
+            departed.popitem(last=False)
+        departed[token] = (now + within, hand_on)
 
     # Carrying: a task that asks for a mutex while another task of this client holds it
     # waits (briefly) for that holder's release to queue it in the same script call, which
