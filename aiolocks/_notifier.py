@@ -23,9 +23,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from . import _adapter, _cancel
+from ._cancel import cancelling
 from ._clients import AnyRedis, is_cluster
 from ._errors import REDIS_ERRORS, RESPONSE_ERRORS
-from ._leases import cancelling
 from ._scripts import Script, load
 from ._waitqueue import WaitQueue
 

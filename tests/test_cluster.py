@@ -29,7 +29,7 @@ from redis.crc import key_slot
 
 from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore, _telemetry
 from aiolocks._context import context_for
-from aiolocks._leases import RENEW_BATCH
+from aiolocks._renewbatch import RENEW_BATCH
 
 pytestmark = pytest.mark.slow
 
