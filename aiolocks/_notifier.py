@@ -1,4 +1,4 @@
-"""One pub/sub connection per client: grant messages and keyspace events wake local waiters.
+"""One notifier per client: grant messages and keyspace events wake the local waiters.
 
 What the subscriptions read (`_subscriptions`) means here: a grant unparks the waiter
 holding its token, a "holder gone" event wakes the first waiter of the name, and messages

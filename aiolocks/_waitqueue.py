@@ -19,7 +19,7 @@ __all__ = ["WaitQueue"]
 
 
 class WaitQueue:
-    """All lots of one client: park / unpark(token) / recheck / unpark_all."""
+    """All lots of one client: park / unpark(token) / recheck_first / recheck_all / remove."""
 
     __slots__ = ("_by_token", "_deferred", "_departed", "_held", "_lots", "tag")
 
