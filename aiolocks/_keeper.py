@@ -28,7 +28,7 @@ from ._lot import Waiter
 from ._renewal import BATCH, Outcomes, heartbeat_calls, lease_calls, read_replies, send_hedged
 
 if TYPE_CHECKING:
-    from ._autopipe import Staged
+    from ._pipecall import Staged
 
 __all__ = ["LeaseKeeper", "Runner"]
 

@@ -22,7 +22,7 @@ from ._lot import Waiter
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
 
 if TYPE_CHECKING:
-    from ._autopipe import Staged
+    from ._pipecall import Staged
 
 __all__ = [
     "BATCH",
