@@ -4,8 +4,8 @@ Leases and waiter groups wait in one heap keyed by when they next need the serve
 the keeper's work per lease per period is O(log N), whatever N. When one comes due, every
 other due within a tenth of a period goes with it, on purpose: leases renewed together
 stay together, so the calls per period track the batches, not the leases. What is due goes
-out as one renewal (`_renewal`) in a task of its own; its outcome renews, retries or loses
-each lease.
+out as one renewal (`_renewal.renew`) in a task of its own; what its replies say renews,
+retries or loses each lease.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _telemetry
-from ._cancel import cancelling
 from ._clients import AnyRedis, is_cluster
 from ._errors import REDIS_ERRORS
 from ._leases import HeartbeatGroup, Lease, validity
 from ._lot import Waiter
-from ._renewal import BATCH, Outcomes, heartbeat_calls, lease_calls, read_replies, send_hedged
+from ._renewal import BATCH, Outcomes, renew
 
 if TYPE_CHECKING:
     from ._pipecall import Staged
@@ -42,8 +41,6 @@ _LANES = 4
 # A lease due within this share of its renewal period from now is renewed with the one due.
 _COALESCE = 0.1
 _RETRY_MIN = 0.01
-# A renewal call is sent again beside itself after a third of its shortest ttl, at least this.
-_PATIENCE_MIN = 1.0
 # An idle keeper task ends after this long with nothing to renew.
 _IDLE_EXIT = 1.0
 
@@ -245,31 +242,9 @@ class LeaseKeeper:
             self._sleeper.set_result(None)  # perhaps idle now: the loop decides
 
     async def _renew(self, leases: list[Lease], groups: list[HeartbeatGroup], now: float) -> None:
-        calls = lease_calls(leases, self._cluster) + heartbeat_calls(groups, self._cluster)
-        # The batch fails when the first of its leases stops being known valid (a waiter's
-        # queue entry, heartbeated a period ago, lives two periods more); a call not
-        # answered within a third of its shortest lease (at least 1 s) gets a fresh copy
-        # sent beside it.
-        deadline = now + min(
-            [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
-        )
-        deadline = max(deadline, time.monotonic() + _RETRY_MIN)  # (this task starts late)
-        patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
-        # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
-        # beside a call that is merely slow did more harm than good.
-        patience = max(patience, _PATIENCE_MIN)
-        try:
-            replies, sent_at = await send_hedged(
-                self._send, [call.staged() for call in calls], deadline, patience
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if cancelling():
-                return  # shutting down: a dropped socket raced the cancellation
-            log.debug("aiolocks: renewal failed: %r", exc)
-            replies, sent_at = [exc] * len(calls), time.monotonic()
-        self._settle(leases, groups, read_replies(calls, replies), sent_at)
+        renewed = await renew(self._send, leases, groups, now, self._cluster)
+        if renewed is not None:  # (None: shutting down)
+            self._settle(leases, groups, *renewed)
 
     async def _send(self, calls: list[Staged]) -> list[Any]:
         if self._lanes is None:

@@ -1,5 +1,5 @@
-"""One renewal on the wire: the script calls that renew some leases and heartbeat some
-waiters, sent in one pipeline, and their replies read back per lease and per waiter.
+"""One renewal on the wire (`renew`): the script calls that renew some leases and heartbeat
+some waiters, sent in one pipeline, and their replies read back per lease and per waiter.
 
 A call carries up to `BATCH` entries (on Cluster, of one slot), so the calls per period
 track the batches, not the leases. Every renewal is idempotent, so a pipeline left
@@ -9,6 +9,7 @@ unanswered for a while is sent again beside itself and the first answer is taken
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions
 from redis.crc import key_slot
 
+from ._cancel import cancelling
 from ._leases import HeartbeatGroup, Lease
 from ._lot import Waiter
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
@@ -31,14 +33,21 @@ __all__ = [
     "heartbeat_calls",
     "lease_calls",
     "read_replies",
+    "renew",
     "send_hedged",
 ]
+
+log = logging.getLogger("aiolocks")
 
 # Leases (or heartbeated waiters) per script call, measured by `bench_scale.py --calls`:
 # client CPU per lease falls from ~40 µs at 10 per call to ~7 µs at 250 (~5 µs at 500),
 # while one call holds the server for ~9 µs per lease (~2.3 ms at 250, at load average
 # 4-5 on 2 CPUs): near the floor on the client, and never long on the server.
 BATCH = 250
+# A renewal call is sent again beside itself after a third of its shortest ttl, at least this.
+_PATIENCE_MIN = 1.0
+# However late its task starts, a renewal waits at least this long for its reply.
+_LATE_MIN = 0.01
 
 
 class Call:
@@ -119,6 +128,42 @@ def _entry(lease: Lease, cluster: bool) -> Entry | None:
     if cluster:
         entry.slot = key_slot(lease.keys[0])
     return entry
+
+
+async def renew(
+    pipeline: Callable[[list[Staged]], Awaitable[list[Any]]],
+    leases: list[Lease],
+    groups: list[HeartbeatGroup],
+    now: float,
+    cluster: bool,
+) -> tuple[Outcomes, float] | None:
+    """Renew `leases` and heartbeat `groups`, taken as due at `now`: (what the replies
+    said, when the answered pipeline was sent). None if the task is being cancelled."""
+    calls = lease_calls(leases, cluster) + heartbeat_calls(groups, cluster)
+    # The batch fails when the first of its leases stops being known valid (a waiter's
+    # queue entry, heartbeated a period ago, lives two periods more); a call not
+    # answered within a third of its shortest lease (at least 1 s) gets a fresh copy
+    # sent beside it.
+    deadline = now + min(
+        [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
+    )
+    deadline = max(deadline, time.monotonic() + _LATE_MIN)  # (this task starts late)
+    patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
+    # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
+    # beside a call that is merely slow did more harm than good.
+    patience = max(patience, _PATIENCE_MIN)
+    try:
+        replies, sent_at = await send_hedged(
+            pipeline, [call.staged() for call in calls], deadline, patience
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if cancelling():
+            return None  # shutting down: a dropped socket raced the cancellation
+        log.debug("aiolocks: renewal failed: %r", exc)
+        replies, sent_at = [exc] * len(calls), time.monotonic()
+    return read_replies(calls, replies), sent_at
 
 
 async def send_hedged(
