@@ -23,9 +23,9 @@ from _servers import ServerProcess
 from conftest import VARIANTS, ServerPool
 
 from aiolocks import RedisMutex, _acquire
-from aiolocks._acquire import Spec
 from aiolocks._context import context_for
 from aiolocks._scripts import Script
+from aiolocks._spec import Spec
 from aiolocks._waitqueue import Carry, Waiter, Wake
 
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]
