@@ -8,7 +8,7 @@ or the clean-up:
     TRY     call the acquire script ('try'; 'wait' once parked: it queues the token)
             ─granted─> done        ─busy, not blocking─> done (Miss)
             ─queued/busy─> PARK (not parked yet) or SLEEP
-            ─Redis unreachable, the server having answered before─> OUTAGE
+            ─Redis unreachable, parked and answered before─> OUTAGE
             ─reconfigured meanwhile (a stale spec refused)─> TRY
     PARK    join the local queue (heartbeats), subscribe to the channel
             ─a local holder's release may carry it─> CARRIED    (else TRY)
