@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from ._awaiting import bounded, unstopped
+from ._cancel import cancelling
 from ._confirm import LateGrants
 from ._context import ClientContext
 from ._errors import (
@@ -44,7 +45,7 @@ from ._errors import (
     NOPERMISSION_ERRORS,
     REDIS_ERRORS,
 )
-from ._leases import cancelling
+from ._lot import Carry, Waiter, Wake
 from ._release import wake_granted
 from ._spec import (
     BUSY,
@@ -60,7 +61,6 @@ from ._spec import (
     Spec,
     first_grant,
 )
-from ._waitqueue import Carry, Waiter, Wake
 from ._withdraw import CLEANUP_BOUND, GRACE, answered, background_release, withdraw
 
 __all__ = ["CARRY_WAIT", "TRY_BOUND", "acquire"]

@@ -11,8 +11,8 @@ import time
 
 from ._context import ClientContext
 from ._leases import validity
+from ._lot import Waiter
 from ._spec import Spec
-from ._waitqueue import Waiter
 
 __all__ = ["LateGrants", "confirm", "late_grant"]
 

@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._awaiting import UNANSWERED, Unanswered, completed, settled
+from ._cancel import cancelling
 from ._context import ClientContext
 from ._errors import AUTHENTICATION_ERRORS
-from ._leases import Lease, cancelling
+from ._leases import Lease
 from ._release import release, wake_granted
 from ._spec import PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec, first_grant
 
