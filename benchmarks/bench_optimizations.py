@@ -125,6 +125,8 @@ QUICK = {
     "leases": 1000,
     "leases_s": 2.0,
 }
+# The decision on each, from the committed run (see docs/benchmarks.md): (verdict, why).
+VERDICTS: dict[str, tuple[str, str]] = {}
 FASTAPI_CLIENTS = 32
 FASTAPI_SLOTS = 4
 
@@ -432,7 +434,7 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gain(workload: Workload, with_row: dict[str, Any], without_row: dict[str, Any]) -> float:
-    a, b = with_row[workload.figure], without_row[workload.figure]
+    a, b = float(with_row[workload.figure]), float(without_row[workload.figure])
     return round(a / b if workload.higher_is_better else b / a, 3)
 
 
@@ -559,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, s in SWITCHES.items()
         },
         "table": rows,
+        "verdicts": VERDICTS,
         "results": results,
     }
     write_json(path, report)
