@@ -393,23 +393,32 @@ def _autopipe(data: dict[str, Any]) -> str:
 
 def _optimizations(data: dict[str, Any]) -> str:
     """bench_optimizations.py: one row per optimization and workload, then the verdicts."""
-    rows = []
-    for row in data["table"]:
-        p99 = "-"
-        if row.get("p99_ms_with") is not None:
-            p99 = f"{_num(row['p99_ms_with'], 1)} / {_num(row['p99_ms_without'], 1)}"
-        rows.append(
-            (
-                f"`{row['optimization']}`",
-                data["workloads"][row["workload"]],
-                f"{_num(row['with'], 1)} {row['unit']}",
-                _num(row["without"], 1),
-                _times(row["gain"]),
-                _times(row.get("cpu_gain")),
-                p99,
+
+    def rows(table: list[dict[str, Any]]) -> list[Row]:
+        out: list[Row] = []
+        for row in table:
+            p99 = "-"
+            if row.get("p99_ms_with") is not None:
+                p99 = f"{_num(row['p99_ms_with'], 1)} / {_num(row['p99_ms_without'], 1)}"
+            out.append(
+                (
+                    f"`{row['optimization']}`",
+                    data["workloads"][row["workload"]],
+                    f"{_num(row['with'], 1)} {row['unit']}",
+                    _num(row["without"], 1),
+                    _times(row["gain"]),
+                    _times(row.get("cpu_gain")),
+                    p99,
+                )
             )
-        )
+        return out
+
     header = ("optimization", "workload", "with", "without", "gain", "CPU gain", "p99 ms")
+    repeats = [
+        f"{repeat['what']} ({repeat['rounds']} rounds, median shown):\n\n"
+        + _table(header, rows(repeat["table"]))
+        for repeat in data.get("repeats", [])
+    ]
     verdicts = [
         (f"`{name}`", switch["target"], *data["verdicts"].get(name, ("-", "-")))
         for name, switch in data["switches"].items()
@@ -419,8 +428,9 @@ def _optimizations(data: dict[str, Any]) -> str:
             _machine(data)
             + f" {data['rounds']} rounds, median shown; load average at the end "
             + " / ".join(f"{x:.1f}" for x in data.get("loadavg_at_end") or []),
-            _table(header, rows),
-            _table(("optimization", "turned off by", "kept or removed", "why"), verdicts),
+            _table(header, rows(data["table"])),
+            *repeats,
+            _table(("optimization", "switched by", "kept or removed", "why"), verdicts),
         ]
     )
 
