@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolocks import _acquire, _autopipe, _leases, _notifier, mutex, registry
+from aiolocks import _acquire, _autopipe, _keeper, _renewal, _subscriptions, mutex, registry
 
 ENV = "AIOLOCKS_BENCH_FLIP"
 # The local_handoff a "cohorts" run gives every RedisMutex made without one.
@@ -71,6 +71,11 @@ def _no_registry_coalescing() -> None:
     registry.RedisRegistry.register = register  # type: ignore[method-assign]
 
 
+def _no_renewal_batch() -> None:
+    _renewal.BATCH = 1  # leases per script call
+    _keeper.BATCH = 1  # the keeper's copy: a round is 8 calls' worth
+
+
 SWITCHES: dict[str, Switch] = {
     "autopipelining": Switch(
         "script calls of one loop iteration go out as one pipeline on one connection",
@@ -94,8 +99,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
-        "aiolocks._notifier._LINGER = 0.0",
-        _set(_notifier, "_LINGER", 0.0),
+        "aiolocks._subscriptions._LINGER = 0.0",
+        _set(_subscriptions, "_LINGER", 0.0),
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",
@@ -109,13 +114,13 @@ SWITCHES: dict[str, Switch] = {
     ),
     "renewal_coalescing": Switch(
         "the keeper renews, with the lease due, every lease due within a tenth of a period",
-        "aiolocks._leases._COALESCE = 0.0",
-        _set(_leases, "_COALESCE", 0.0),
+        "aiolocks._keeper._COALESCE = 0.0",
+        _set(_keeper, "_COALESCE", 0.0),
     ),
     "renewal_batch": Switch(
         "one renew_batch script call renews up to 250 leases",
-        "aiolocks._leases.BATCH = 1",
-        _set(_leases, "BATCH", 1),
+        "aiolocks._renewal.BATCH = 1 and aiolocks._keeper.BATCH = 1 (its round: 8 calls)",
+        _no_renewal_batch,
     ),
     "cohorts": Switch(
         f"RedisMutex(local_handoff={LOCAL_HANDOFF}): the process's tasks pass the lease on",
