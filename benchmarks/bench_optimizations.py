@@ -558,8 +558,9 @@ async def run_all(
         if len(modes) == 1:
             continue
         collected: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-        with contextlib.suppress(Exception):  # a warm-up, not counted: the first run is slow
-            await measure(url, name, SHIPPED, size)
+        if rounds > 1:  # a warm-up, not counted: the first run is slow
+            with contextlib.suppress(Exception):
+                await measure(url, name, SHIPPED, size)
         for index in range(rounds):
             for mode in order(modes, index):
                 try:
