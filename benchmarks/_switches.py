@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolocks import _acquire, _autopipe, _keeper, _renewal, _subscriptions, mutex, registry
+from aiolocks import _autopipe, _confirm, _keeper, _renewal, _spec, _subscriptions, mutex, registry
 
 ENV = "AIOLOCKS_BENCH_FLIP"
 # The local_handoff a "cohorts" run gives every RedisMutex made without one.
@@ -35,7 +35,15 @@ class Switch:
 
 
 def _set(module: Any, attribute: str, value: object) -> Callable[[], None]:
-    return lambda: setattr(module, attribute, value)
+    """A flip setting `module.attribute` to `value`; the attribute must exist (a switch
+    pointing at a name the engine no longer reads would measure nothing)."""
+
+    def flip() -> None:
+        if not hasattr(module, attribute):
+            raise AttributeError(f"{module.__name__} has no {attribute}: re-point the switch")
+        setattr(module, attribute, value)
+
+    return flip
 
 
 def _no_autopipelining() -> None:
@@ -46,7 +54,7 @@ def _no_carrying() -> None:
     make_spec = mutex.RedisMutex._make_spec
 
     @functools.wraps(make_spec)
-    def without_carrying(self: mutex.RedisMutex) -> _acquire.Spec:
+    def without_carrying(self: mutex.RedisMutex) -> _spec.Spec:
         return dataclasses.replace(make_spec(self), carries=False)
 
     mutex.RedisMutex._make_spec = without_carrying  # type: ignore[method-assign]
@@ -104,8 +112,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",
-        "aiolocks._acquire._MAX_CONFIRMS = 0",
-        _set(_acquire, "_MAX_CONFIRMS", 0),
+        "aiolocks._confirm._MAX_CONFIRMS = 0",
+        _set(_confirm, "_MAX_CONFIRMS", 0),
     ),
     "registry_coalescing": Switch(
         "concurrent register() calls of a client share script calls (the Coalescer)",
