@@ -26,6 +26,7 @@ them. Script conventions (see `_scripts/*.lua`):
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -468,7 +469,7 @@ async def release(
     woken here rather than by the pub/sub round trip. `carry` (a holder's release of a
     carrying primitive): the call also queues the local waiters deferred behind it.
     """
-    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
+    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else ()
     extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
@@ -630,6 +631,9 @@ def _told_by_the_release(reason: str) -> None:
     """A lease being released is not reported lost by the keeper (see `release_until`)."""
 
 
+_NO_CONTEXT = contextvars.Context()
+
+
 class _ValidityBound:
     """Expires a timeout scope at `until`, or, given a lease, when its validity ends,
     following it as the keeper moves it later: one timer, re-armed once per renewal at most."""
@@ -646,10 +650,13 @@ class _ValidityBound:
         return self.until if self.lease is None else max(self.until, self.lease.valid_until)
 
     def _arm(self) -> asyncio.TimerHandle:
+        # Itself the callback, in one shared empty context: no bound method and no copy
+        # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        return loop.call_at(loop.time() + (self.end() - time.monotonic()), self._due)
+        when = loop.time() + (self.end() - time.monotonic())
+        return loop.call_at(when, self, context=_NO_CONTEXT)
 
-    def _due(self) -> None:
+    def __call__(self) -> None:
         if self.end() > time.monotonic():
             self.handle = self._arm()  # renewed meanwhile
         else:
