@@ -23,7 +23,7 @@ from ._clients import AnyRedis, is_cluster
 from ._coalesce import Coalescer
 from ._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
 from ._gate import Gate
-from ._leases import LeaseKeeper
+from ._keeper import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
 from ._waitqueue import WaitQueue
