@@ -22,13 +22,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from . import _acquire, _telemetry
+from . import _awaiting, _release, _spec, _telemetry, _withdraw
 from ._leases import Lease, validity
 
 if TYPE_CHECKING:
-    from ._acquire import Spec, Unanswered
+    from ._awaiting import Unanswered
     from ._context import ClientContext
     from ._holding import Holding, LeasedLock
+    from ._spec import Spec
 
 __all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "cohort_for", "cohort_token"]
 
@@ -52,7 +53,7 @@ class _LocalWaiter:
         self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
 
 
-def cohort_for(context: ClientContext, spec: _acquire.Spec, ttl_ms: int, bound: int) -> Cohort:
+def cohort_for(context: ClientContext, spec: _spec.Spec, ttl_ms: int, bound: int) -> Cohort:
     """The cohort of this process for one lock and one setting of ttl and bound."""
     key = (spec.channel, ttl_ms, bound)
     cohort = context.cohorts.get(key)
@@ -70,7 +71,7 @@ class Cohort:
     """The tasks of one process (one client, one loop) that want one lock with one setting
     of `ttl` and `local_handoff`."""
 
-    def __init__(self, context: ClientContext, spec: _acquire.Spec, ttl_ms: int, bound: int):
+    def __init__(self, context: ClientContext, spec: _spec.Spec, ttl_ms: int, bound: int):
         self._context = context
         self._key = (spec.channel, ttl_ms, bound)
         self._spec = spec
@@ -135,8 +136,8 @@ class Cohort:
             return
         holding = waiter.lock._holdings.pop(waiter.task, None)
         if holding is not None:
-            await _acquire.shielded(
-                lambda: self.release(waiter.lock, holding), _acquire.CLEANUP_BOUND
+            await _awaiting.shielded(
+                lambda: self.release(waiter.lock, holding), _withdraw.CLEANUP_BOUND
             )
 
     async def _contend(
@@ -161,7 +162,7 @@ class Cohort:
         self.passes = 0
         lease = lock._new_lease(grant, self._lost)
         lease.release = functools.partial(
-            _acquire.release, self._context, self._spec, grant.token, self._ttl_ms
+            _release.release, self._context, self._spec, grant.token, self._ttl_ms
         )
         self._lease = lease
         self._context.keeper.hold(lease)
@@ -196,14 +197,14 @@ class Cohort:
     ) -> bool | Unanswered | None:
         """Release `holding` (already taken from `lock`): hand it to the next local task, or
         give the lease back through Redis. Returns True when it was held (False if not,
-        None if unsure: see `_acquire.release`); UNANSWERED when Redis did not answer by
+        None if unsure: see `_release.release`); UNANSWERED when Redis did not answer by
         `until` (the lease's validity; the call then goes on in the background)."""
         try:
             if self._holder is not None and self._holder[1] is holding:
                 self._holder = None
             if holding.token != self.token:
                 # The cohort let go of it already (lost): only tidy up on the server.
-                return await _acquire.release(
+                return await _release.release(
                     self._context, self._spec, holding.token, self._ttl_ms
                 )
             lease = self._lease
@@ -211,20 +212,20 @@ class Cohort:
                 # Its validity ended unrenewed (a stalled loop): not passed on locally (the
                 # server may have ended it), but given back; the holder learns it is lost,
                 # as a mutex holder releasing past its validity does.
-                answer = await _acquire.answered_by(self._return(holding.token), until)
-                return answer if isinstance(answer, _acquire.Unanswered) else False
+                answer = await _awaiting.answered_by(self._return(holding.token), until)
+                return answer if isinstance(answer, _awaiting.Unanswered) else False
             waiter = self._next_waiter()
             if waiter is not None and self.passes < self.bound:
                 self._pass(waiter, lock._spec)
                 return True
             if waiter is not None:
                 self._queue.appendleft(waiter)
-                return await _acquire.answered_by(
+                return await _awaiting.answered_by(
                     self._keep_or_return(holding.token, lock._spec), until
                 )
             if until is None:
                 return await self._return(holding.token)
-            return await _acquire.answered_by(self._return(holding.token), until)
+            return await _awaiting.answered_by(self._return(holding.token), until)
         finally:
             self._retire_if_idle()
 
@@ -242,21 +243,21 @@ class Cohort:
         context, spec = self._context, self._spec
         sent_at = time.monotonic()
         try:
-            reply, unsure = await _acquire.release_reply(context, spec, token, self._ttl_ms, "keep")
+            reply, unsure = await _release.release_reply(context, spec, token, self._ttl_ms, "keep")
         except BaseException:
             self._let_go()
             self._promote()
             raise
         status = int(reply[0])
         if status != 2:
-            _acquire.wake_granted(context, spec, reply, 1, sent_at)
+            _release.wake_granted(context, spec, reply, 1, sent_at)
             _telemetry.on_handoff(releaser, (len(reply) - 1) // 3)
             self._let_go()
             self._promote()
             return None if unsure and status == 0 else status == 1
         if self.token != token or self._lease is None:
             # Lost while the call was in flight, yet kept: give it straight back.
-            await _acquire.release(context, spec, token, self._ttl_ms)
+            await _release.release(context, spec, token, self._ttl_ms)
             return True
         self._lease.valid_until = validity(sent_at, self._lease.ttl)
         self._lease.next_due = sent_at + self._lease.ttl / 3
@@ -273,7 +274,7 @@ class Cohort:
         """Give the lease back to Redis (which hands it to the global queue's head)."""
         self._let_go()
         try:
-            return await _acquire.release_surely(self._context, self._spec, token, self._ttl_ms)
+            return await _withdraw.release_surely(self._context, self._spec, token, self._ttl_ms)
         finally:
             self._promote()
 

@@ -155,7 +155,7 @@ class ClientContext:
             self._initialised.set_result(None)
         self.closed = False
         self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
-        # Clean-ups left to finish in the background (see `_acquire.withdraw`): the end of
+        # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
         # the loop waits for them.
         self.cleanups: set[asyncio.Future[Any]] = set()
         self._loop_end: AsyncGenerator[None, None] | None = _watch_loop_end(self)

@@ -22,7 +22,7 @@ from typing import Any, ParamSpec, Self, TypeVar
 
 import anyio
 
-from . import _acquire, _telemetry
+from . import _acquire, _awaiting, _confirm, _release, _spec, _telemetry, _withdraw
 from ._clients import AnyRedis, ensure_async_client, is_cluster
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for, open_context
@@ -55,7 +55,7 @@ LostCallback = Callable[[LockLost], object]
 
 # Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
-_last_miss: contextvars.ContextVar[_acquire.Miss | None] = contextvars.ContextVar(
+_last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
 
@@ -206,7 +206,7 @@ class LeasedLock:
         self._waiting = 0
         self._spec = self._make_spec()
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         raise NotImplementedError
 
     @property
@@ -262,7 +262,7 @@ class LeasedLock:
 
     async def _acquire_grant(
         self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
-    ) -> _acquire.Grant | None:
+    ) -> _spec.Grant | None:
         """One acquisition through Redis (replication confirmed, if asked for); `bound` > 0
         makes it a local hand-off cohort's, which reserves `bound + 1` fences."""
         token = secrets.token_hex(16)
@@ -279,7 +279,7 @@ class LeasedLock:
                 deadline=deadline,
                 respec=lambda: self._spec,
             )
-        if isinstance(grant, _acquire.Miss):
+        if isinstance(grant, _spec.Miss):
             self._missed(grant, try_bound, token)
             return None
         if self._replicas:
@@ -296,7 +296,7 @@ class LeasedLock:
         try_bound = _try_bound(self._client)
         return try_bound, time.monotonic() + try_bound
 
-    def _missed(self, miss: _acquire.Miss, try_bound: float | None, token: str) -> None:
+    def _missed(self, miss: _spec.Miss, try_bound: float | None, token: str) -> None:
         """An acquisition ended without the primitive: noted for `LockTimeout`'s message; a
         try the server did not answer within its bound raises `ServerUnavailable`."""
         _last_miss.set(miss)
@@ -309,14 +309,14 @@ class LeasedLock:
                 token=token,
             )
 
-    async def _confirm_replicated(self, context: ClientContext, grant: _acquire.Grant) -> None:
+    async def _confirm_replicated(self, context: ClientContext, grant: _spec.Grant) -> None:
         """Have `replicas` replicas acknowledge the grant before it is reported; give it
         back and raise `NotReplicated` if they do not within `replica_timeout`."""
         given_back = False
         # The acquire script again (it may grant the token anew), on a pooled connection of
         # its own even with auto-pipelining: in a task that leaving does not stop, and the
-        # give-back is sent after its reply (`_acquire.unstopped`).
-        confirming = _acquire.confirm(
+        # give-back is sent after its reply (`_awaiting.unstopped`).
+        confirming = _confirm.confirm(
             context, self._spec, grant.token, self._ttl_ms, self._replicas,
             self._replica_timeout_ms,
         )  # fmt: skip
@@ -324,15 +324,15 @@ class LeasedLock:
         try:
             with map_redis_errors(self._name):
                 status, acked = await asyncio.shield(in_flight)
-            if status != _acquire.GRANTED:
+            if status != _spec.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
                 )
             if acked < self._replicas:
                 given_back = True
-                await _acquire.shielded(
-                    lambda: _acquire.release(context, self._spec, grant.token, self._ttl_ms),
-                    _acquire.CLEANUP_BOUND,
+                await _awaiting.shielded(
+                    lambda: _release.release(context, self._spec, grant.token, self._ttl_ms),
+                    _withdraw.CLEANUP_BOUND,
                 )
                 raise NotReplicated(
                     self._name,
@@ -342,13 +342,13 @@ class LeasedLock:
                 )
         except BaseException:
             if not given_back:
-                await _acquire.withdraw(
+                await _withdraw.withdraw(
                     context, self._spec, grant.token, self._ttl_ms, None,
-                    after=_acquire.settled(in_flight),
+                    after=_awaiting.settled(in_flight),
                 )  # fmt: skip
             raise
 
-    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _spec.Grant) -> None:
         """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
         holding = self._install(task, grant.token, grant.fence)
         holding.lease = self._new_lease(grant, holding.lease_lost)
@@ -356,7 +356,7 @@ class LeasedLock:
         context.keeper.hold(holding.lease)
         self._cap(context, holding, grant.granted_at)
 
-    def _new_lease(self, grant: _acquire.Grant, on_lost: Callable[[str], None]) -> Lease:
+    def _new_lease(self, grant: _spec.Grant, on_lost: Callable[[str], None]) -> Lease:
         return Lease(
             self._spec.renew,
             self._spec.renew_keys,
@@ -419,8 +419,8 @@ class LeasedLock:
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
-            until = time.monotonic() + _acquire.GRACE
-            await _acquire.withdraw(
+            until = time.monotonic() + _withdraw.GRACE
+            await _withdraw.withdraw(
                 context, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
             )
             raise self._lost_error(holding)
@@ -433,7 +433,7 @@ class LeasedLock:
                 answer = await cohort.release(self, holding, valid_until)
             else:
                 answer = await self._release_surely(context, holding)
-            if isinstance(answer, _acquire.Unanswered):
+            if isinstance(answer, _awaiting.Unanswered):
                 holding.lost_reason = (
                     "Redis did not answer its release before the lease's validity ended "
                     "(the release goes on in the background)"
@@ -500,7 +500,7 @@ class LeasedLock:
         script, keys = self._adopt_call()
         sent_at = time.monotonic()
         pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
-        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _awaiting.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             with map_redis_errors(self._name):
                 taken = await (pending if in_flight is None else asyncio.shield(in_flight))
@@ -509,8 +509,8 @@ class LeasedLock:
             # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
             # background.
             release = functools.partial(self._release_call, context, token)
-            after = None if in_flight is None else _acquire.settled(in_flight)
-            await _acquire.withdraw(
+            after = None if in_flight is None else _awaiting.settled(in_flight)
+            await _withdraw.withdraw(
                 context, self._spec, token, self._ttl_ms, None, release, after=after
             )
             raise
@@ -521,7 +521,7 @@ class LeasedLock:
                 "(a handle is adopted once)",
                 token=handle.token,
             )
-        self._hold(context, task, _acquire.Grant(token, handle.fencing_token, sent_at))
+        self._hold(context, task, _spec.Grant(token, handle.fencing_token, sent_at))
 
     def _check_handover(self) -> None:
         if not self._handle_kind:
@@ -542,21 +542,21 @@ class LeasedLock:
             context.keeper.drop(holding.lease)
 
     async def _release_call(self, context: ClientContext, token: str) -> bool | None:
-        """Run the release script(s) for `token` once (see `_acquire.release`)."""
-        return await _acquire.release(context, self._spec, token, self._ttl_ms)
+        """Run the release script(s) for `token` once (see `_release.release`)."""
+        return await _release.release(context, self._spec, token, self._ttl_ms)
 
     async def _release_surely(
         self, context: ClientContext, holding: Holding
-    ) -> bool | _acquire.Unanswered | None:
+    ) -> bool | _awaiting.Unanswered | None:
         """`_release_call` for `holding`, completed even if the caller is cancelled
         meanwhile; its lease is renewed until the release is answered, which is waited for
         while the lease is known valid (`Unanswered` past it, the release going on in the
         background)."""
         if holding.lease is None:
             self._stop_renewal(context, holding)
-            return await _acquire.release_surely(context, self._spec, holding.token, self._ttl_ms)
+            return await _withdraw.release_surely(context, self._spec, holding.token, self._ttl_ms)
         lease = holding.lease
-        return await _acquire.release_until(
+        return await _withdraw.release_until(
             context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
         )
 

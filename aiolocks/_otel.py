@@ -18,9 +18,9 @@ from . import __version__
 from ._telemetry import ACQUIRED, ERROR, TIMEOUT, describe
 
 if TYPE_CHECKING:
-    from ._acquire import Spec
     from ._holding import LeasedLock
     from ._leases import Lease
+    from ._spec import Spec
 
 __all__ = ["OtelRecorder"]
 

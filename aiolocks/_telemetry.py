@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from ._keys import parse_key
 
 if TYPE_CHECKING:
-    from ._acquire import Spec
     from ._holding import LeasedLock
     from ._leases import Lease
+    from ._spec import Spec
 
 __all__ = [
     "ACQUIRED",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, final
 
-from . import _acquire
+from . import _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LockLost, map_redis_errors
@@ -96,12 +96,12 @@ class _Candidacy(LeasedLock):
         self._value = _validate_value(value)
         super().__init__(client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost)
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
         leader, queue, waiters, fence, candidates = (
             keys.key(part) for part in ("leader", "queue", "waiters", "fence", "candidates")
         )
-        return _acquire.Spec(
+        return _spec.Spec(
             name=self._name,
             kind="x",
             keys=(leader, queue, waiters, fence, candidates),

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, final
 
-from . import _acquire
+from . import _acquire, _awaiting, _confirm, _release, _spec, _withdraw
 from ._clients import AnyRedis, is_cluster
 from ._context import ClientContext
 from ._errors import LockLost, map_redis_errors
@@ -111,7 +111,7 @@ class RedisMultiLock(LeasedLock):
         )  # fmt: skip
         self._name = ", ".join(self._given)  # for messages
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         counters = Counters()  # one instance: one set of counts, whichever name they touch
         self._specs = tuple(mutex_spec(self._prefix, name, counters) for name in self._names)
         return self._specs[0]
@@ -136,19 +136,19 @@ class RedisMultiLock(LeasedLock):
 
     async def _acquire_grant(
         self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
-    ) -> _acquire.Grant | None:
+    ) -> _spec.Grant | None:
         """Take every name, all or none: at once when all are free (single server), else
         one by one in sorted order, each as a mutex."""
         token = secrets.token_hex(16)
         taken = _Taken()
-        grants: list[_acquire.Grant] = []
-        miss = _acquire.Miss(unanswered=False)
+        grants: list[_spec.Grant] = []
+        miss = _spec.Miss(unanswered=False)
         try_bound, deadline = self._try_deadline(blocking, deadline)
         try:
             if not is_cluster(self._client):
                 tried = await self._take_all(context, token, taken, deadline)
                 if tried is None:  # the deadline passed during the try (nothing is left)
-                    self._missed(_acquire.Miss(unanswered=True), try_bound, token)
+                    self._missed(_spec.Miss(unanswered=True), try_bound, token)
                     return None
                 grants = tried
             if not grants:
@@ -158,7 +158,7 @@ class RedisMultiLock(LeasedLock):
                             context, spec, token, self._ttl_ms,
                             blocking=blocking, deadline=deadline,
                         )  # fmt: skip
-                    if isinstance(grant, _acquire.Miss):
+                    if isinstance(grant, _spec.Miss):
                         miss = grant
                         break
                     self._took(context, taken, spec, grant)
@@ -172,7 +172,7 @@ class RedisMultiLock(LeasedLock):
                 lease.next_due = due  # renewed together from now on: one batch
                 context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
-            return _acquire.Grant(token, grants[0].fence, grants[0].granted_at)
+            return _spec.Grant(token, grants[0].fence, grants[0].granted_at)
         await self._give_back(context, token, taken, deadline)
         if taken.lost_reason is not None:
             raise LockLost(
@@ -184,7 +184,7 @@ class RedisMultiLock(LeasedLock):
 
     async def _take_all(
         self, context: ClientContext, token: str, taken: _Taken, deadline: float | None
-    ) -> list[_acquire.Grant] | None:
+    ) -> list[_spec.Grant] | None:
         """One script that takes every name if all are free with nobody queued (then the
         grants, in sorted order), else changes nothing (then []); None when `deadline`
         passed first. Answered so late that the leases have less than half their validity
@@ -198,7 +198,7 @@ class RedisMultiLock(LeasedLock):
                 return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
 
         pending = call()
-        in_flight = _acquire.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _awaiting.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             shielded = pending if in_flight is None else asyncio.shield(in_flight)
             if deadline is None:
@@ -209,23 +209,23 @@ class RedisMultiLock(LeasedLock):
             # The script may have run: give back whatever the token may hold (after its
             # reply), awaited up to the deadline (a little past it), then in the background.
             taken.unconfirmed = True
-            after = None if in_flight is None else _acquire.settled(in_flight)
+            after = None if in_flight is None else _awaiting.settled(in_flight)
             await self._give_back(context, token, taken, deadline, after)
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
         if int(reply[0]) != 1:
             return []
-        if _acquire.late_grant(sent_at, self._ttl_ms):
+        if _confirm.late_grant(sent_at, self._ttl_ms):
             taken.unconfirmed = True
             return []
-        grants = [_acquire.Grant(token, int(fence), sent_at) for fence in reply[1:]]
+        grants = [_spec.Grant(token, int(fence), sent_at) for fence in reply[1:]]
         for spec, grant in zip(self._specs, grants, strict=True):
             self._took(context, taken, spec, grant)
         return grants
 
     def _took(
-        self, context: ClientContext, taken: _Taken, spec: _acquire.Spec, grant: _acquire.Grant
+        self, context: ClientContext, taken: _Taken, spec: _spec.Spec, grant: _spec.Grant
     ) -> None:
         """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
         lost = functools.partial(self._name_lost, taken, spec.name)
@@ -234,7 +234,7 @@ class RedisMultiLock(LeasedLock):
             grant.granted_at, lost,
         )  # fmt: skip
         lease.release = functools.partial(
-            _acquire.release, context, spec, grant.token, self._ttl_ms
+            _release.release, context, spec, grant.token, self._ttl_ms
         )
         context.keeper.hold(lease)
         taken.leases.append(lease)
@@ -249,7 +249,7 @@ class RedisMultiLock(LeasedLock):
         after: Awaitable[Any] | None = None,
     ) -> None:
         """Release every name `token` may hold, awaited until a little past `deadline` (or up
-        to CLEANUP_BOUND without one), then in the background, as `_acquire.withdraw`; after
+        to CLEANUP_BOUND without one), then in the background, as `_withdraw.withdraw`; after
         `after` (the reply of its call in flight)."""
         for lease in taken.leases:
             context.keeper.drop(lease)
@@ -258,13 +258,13 @@ class RedisMultiLock(LeasedLock):
         taken.fences.clear()
         taken.unconfirmed = False
         if specs:
-            until = None if deadline is None else max(deadline, time.monotonic()) + _acquire.GRACE
-            await _acquire.withdraw(
+            until = None if deadline is None else max(deadline, time.monotonic()) + _withdraw.GRACE
+            await _withdraw.withdraw(
                 context, specs[0], token, self._ttl_ms, until,
                 call=functools.partial(self._release_all, context, specs, token), after=after,
             )  # fmt: skip
 
-    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _acquire.Grant) -> None:
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _spec.Grant) -> None:
         taken = self._taken[grant.token]
         holding = self._install(task, grant.token, grant.fence, taken.leases[0])
         taken.holding = holding
@@ -286,9 +286,9 @@ class RedisMultiLock(LeasedLock):
             context.keeper.drop(lease)
 
     async def _release_all(
-        self, context: ClientContext, specs: Iterable[_acquire.Spec], token: str
+        self, context: ClientContext, specs: Iterable[_spec.Spec], token: str
     ) -> bool | None:
-        calls = (_acquire.release(context, spec, token, self._ttl_ms) for spec in specs)
+        calls = (_release.release(context, spec, token, self._ttl_ms) for spec in specs)
         return _all_held(await asyncio.gather(*calls))
 
     async def _release_call(self, context: ClientContext, token: str) -> bool | None:
@@ -297,7 +297,7 @@ class RedisMultiLock(LeasedLock):
 
     async def _release_surely(
         self, context: ClientContext, holding: Holding
-    ) -> bool | _acquire.Unanswered | None:
+    ) -> bool | _awaiting.Unanswered | None:
         # Bounded by the leases' validity (aligned), as a mutex's release; not renewed
         # meanwhile (one release call per name).
         self._stop_renewal(context, holding)
@@ -306,8 +306,8 @@ class RedisMultiLock(LeasedLock):
         self._taken.pop(token, None)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
-            return await _acquire.completed(call())
-        return await _acquire.release_until(
+            return await _awaiting.completed(call())
+        return await _withdraw.release_until(
             context, self._specs[0], token, self._ttl_ms, until, call
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
-from . import _acquire
+from . import _spec
 from ._clients import AnyRedis
 from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
@@ -34,14 +34,14 @@ class MutexInfo:
     fence: int  # the last fencing token handed out (0: never acquired, or idle: expired)
 
 
-def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _acquire.Spec:
+def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spec.Spec:
     """The engine's view of the mutex `name`: its keys, channel and scripts (`counters`: an
     instance's cumulative counts, when several specs share them)."""
     keys = KeySpace(prefix, "mutex", name)
     owner, queue, waiters, fence = (
         keys.key(part) for part in ("owner", "queue", "waiters", "fence")
     )
-    return _acquire.Spec(
+    return _spec.Spec(
         name=name,
         kind="x",
         keys=(owner, queue, waiters, fence),
@@ -111,7 +111,7 @@ class RedisMutex(LeasedLock):
             replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,
         )  # fmt: skip
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         return mutex_spec(self._prefix, self._name)
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:

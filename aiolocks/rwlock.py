@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, final
 
-from . import _acquire
+from . import _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import map_redis_errors
@@ -48,11 +48,11 @@ class _Side(LeasedLock):
         self._owner = owner
         super().__init__(owner._client, owner.name, **options)
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
         parts = ("writer", "readers", "queue", "waiters", "fence", "fences")
         writer, readers, queue, waiters, fence, fences = (keys.key(part) for part in parts)
-        return _acquire.Spec(
+        return _spec.Spec(
             name=self._name,
             kind=self._side,
             keys=(writer, readers, queue, waiters, fence, fences),

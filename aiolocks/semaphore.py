@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, final
 
-from . import _acquire
+from . import _release, _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
@@ -99,11 +99,11 @@ class RedisSemaphore(LeasedLock):
     def limit(self) -> int:
         return self._limit
 
-    def _make_spec(self) -> _acquire.Spec:
+    def _make_spec(self) -> _spec.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
         parts = ("holders", "queue", "waiters", "fence", "fences", "limit")
         holders, queue, waiters, fence, fences, limit = (keys.key(part) for part in parts)
-        return _acquire.Spec(
+        return _spec.Spec(
             name=self._name,
             kind="x",
             keys=(holders, queue, waiters, fence, fences, limit),
@@ -172,7 +172,7 @@ class RedisSemaphore(LeasedLock):
         args = (limit, self._spec.channel, context.waitqueue.tag, self._ttl_ms)
         sent_at = time.monotonic()
         with map_redis_errors(self._name):
-            reply = await _acquire.granting(context, self._spec, _SET_LIMIT, args, retry=True)
+            reply = await _release.granting(context, self._spec, _SET_LIMIT, args, retry=True)
         self._limit = limit
         self._spec = replace(self._make_spec(), counters=self._spec.counters)
-        _acquire.wake_granted(context, self._spec, reply, 1, sent_at)
+        _release.wake_granted(context, self._spec, reply, 1, sent_at)

@@ -466,7 +466,12 @@ class _Pauses:
 
 
 async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from aiolocks import _acquire  # the worker's aiolocks: this tree's or --tree's
+    # The worker's aiolocks: this tree's or --tree's (before the acquire split, the
+    # background clean-ups were in _acquire).
+    try:
+        from aiolocks import _withdraw as cleanups
+    except ImportError:
+        from aiolocks import _acquire as cleanups  # type: ignore[no-redef]
 
     n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
     if spec.get("gc") == "off":
@@ -550,11 +555,11 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["other_errors"] = len(errors)
         if errors:
             result["first_error"] = repr(errors[0])
-        result["background_cleanups_after_release"] = len(_acquire._BACKGROUND)
+        result["background_cleanups_after_release"] = len(cleanups._BACKGROUND)
         result.update(pauses.report("release"))
         # Clean-ups left in the background end within max(5 s, ttl): then count the warnings.
-        if _acquire._BACKGROUND:
-            await asyncio.wait(list(_acquire._BACKGROUND), timeout=max(5.0, ttl) + 5)
+        if cleanups._BACKGROUND:
+            await asyncio.wait(list(cleanups._BACKGROUND), timeout=max(5.0, ttl) + 5)
         result["unconfirmed"] = unconfirmed.count
         if unconfirmed.first:
             result["first_unconfirmed"] = unconfirmed.first

@@ -27,8 +27,8 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._acquire import _BACKGROUND
 from aiolocks._holding import LeasedLock
+from aiolocks._withdraw import _BACKGROUND
 
 __all__ = [
     "KINDS",

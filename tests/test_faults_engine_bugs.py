@@ -35,6 +35,7 @@ from aiolocks import (
     _acquire,
     _autopipe,
     _pipelink,
+    _withdraw,
     multilock,
 )
 from aiolocks._context import AUTOPIPELINE_ENV, context_for
@@ -641,7 +642,7 @@ async def test_a_blackholed_link_does_not_hold_every_script_call(
 
 async def _background_done(timeout: float) -> None:
     """Wait (bounded) for the clean-ups left to finish in the background."""
-    pending = list(_acquire._BACKGROUND)
+    pending = list(_withdraw._BACKGROUND)
     if pending:
         await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
 

@@ -35,7 +35,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from aiolocks import LockLost, ReadLock, RedisMutex, RedisReadWriteLock, RedisSemaphore, _acquire
+from aiolocks import LockLost, ReadLock, RedisMutex, RedisReadWriteLock, RedisSemaphore, _release
 from aiolocks._context import context_for
 from aiolocks._holding import LeasedLock
 
@@ -234,7 +234,7 @@ class LockModel(RuleBasedStateMachine):
         granted = self.fill()
         # A script passing by (any other client's call would do) lets the queue head in.
         context = context_for(direct)
-        await _acquire.release(context, spec, secrets.token_hex(16), 1000)
+        await _release.release(context, spec, secrets.token_hex(16), 1000)
         await self.settle(granted)
 
     @rule(data=st.data())

@@ -24,8 +24,9 @@ from _proxy import Proxy
 from _servers import ServerProcess
 
 from aiolocks import LockLost, LockTimeout, RedisMutex, ServerUnavailable
-from aiolocks._acquire import _BACKGROUND, TRY_BOUND
+from aiolocks._acquire import TRY_BOUND
 from aiolocks._holding import LeasedLock
+from aiolocks._withdraw import _BACKGROUND
 
 pytestmark = pytest.mark.faults
 
