@@ -31,7 +31,7 @@ async def release(
     woken here rather than by the pub/sub round trip. `carry` (a holder's release of a
     carrying primitive): the call also queues the local waiters deferred behind it.
     """
-    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else []
+    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else ()
     extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
