@@ -19,21 +19,46 @@ import asyncio
 import enum
 import functools
 import time
+import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from . import _acquire, _telemetry
+from ._acquire import Spec, Unanswered
+from ._context import ClientContext
+from ._holding import Holding
 from ._leases import Lease, validity
 
-if TYPE_CHECKING:
-    from ._acquire import Spec, Unanswered
-    from ._context import ClientContext
-    from ._holding import Holding, LeasedLock
-
-__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "cohort_for", "cohort_token"]
+__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
 
 
 MAX_LOCAL_HANDOFF = 10_000
+
+_Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
+
+# Each context's cohorts, by key; idle ones leave. Kept here, keyed by the context, so the
+# context (below) need not know of cohorts.
+_cohorts: weakref.WeakKeyDictionary[ClientContext, dict[_Key, Cohort]] = weakref.WeakKeyDictionary()
+
+
+class Member(Protocol):
+    """What a cohort calls on a lock whose tasks it serves (`LeasedLock` is one)."""
+
+    _spec: Spec
+    _holdings: dict[asyncio.Task[Any], Holding]
+
+    async def _acquire_grant(
+        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+    ) -> _acquire.Grant | None: ...
+
+    def _new_lease(self, grant: _acquire.Grant, on_lost: Callable[[str], None]) -> Lease: ...
+
+    def _install(
+        self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
+    ) -> Holding: ...
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None: ...
 
 
 class _Turn(enum.Enum):
@@ -46,18 +71,27 @@ class _Turn(enum.Enum):
 class _LocalWaiter:
     __slots__ = ("future", "lock", "task")
 
-    def __init__(self, lock: LeasedLock, task: asyncio.Task[Any]) -> None:
+    def __init__(self, lock: Member, task: asyncio.Task[Any]) -> None:
         self.lock = lock
         self.task = task
         self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
 
 
+def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
+    """The cohorts `context` has now (for tests: an idle cohort is forgotten)."""
+    cohorts = _cohorts.get(context)
+    if cohorts is None:
+        cohorts = _cohorts[context] = {}
+    return cohorts
+
+
 def cohort_for(context: ClientContext, spec: _acquire.Spec, ttl_ms: int, bound: int) -> Cohort:
     """The cohort of this process for one lock and one setting of ttl and bound."""
     key = (spec.channel, ttl_ms, bound)
-    cohort = context.cohorts.get(key)
+    cohorts = cohorts_of(context)
+    cohort = cohorts.get(key)
     if cohort is None:
-        cohort = context.cohorts[key] = Cohort(context, spec, ttl_ms, bound)
+        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, bound)
     return cohort
 
 
@@ -82,7 +116,7 @@ class Cohort:
         self._lease: Lease | None = None
         self._next_fence = 0
         self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
-        self._holder: tuple[LeasedLock, Holding] | None = None
+        self._holder: tuple[Member, Holding] | None = None
 
     @property
     def idle(self) -> bool:
@@ -91,7 +125,7 @@ class Cohort:
     # -- acquire ---------------------------------------------------------------------------
 
     async def acquire(
-        self, lock: LeasedLock, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
     ) -> bool:
         """Acquire for `task`: through Redis if the cohort is idle, else after the local
         tasks ahead of it (or as the next contender, if the lease leaves the process)."""
@@ -101,7 +135,7 @@ class Cohort:
             self._retire_if_idle()
 
     async def _acquire(
-        self, lock: LeasedLock, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
     ) -> bool:
         if self.idle:
             return await self._contend(lock, task, blocking, deadline)
@@ -141,7 +175,7 @@ class Cohort:
 
     async def _contend(
         self,
-        lock: LeasedLock,
+        lock: Member,
         task: asyncio.Task[Any],
         blocking: bool,
         deadline: float | None,
@@ -168,7 +202,7 @@ class Cohort:
         self._give(lock, task, grant.fence)
         return True
 
-    def _give(self, lock: LeasedLock, task: asyncio.Task[Any], fence: int) -> None:
+    def _give(self, lock: Member, task: asyncio.Task[Any], fence: int) -> None:
         assert self.token is not None and self._lease is not None
         holding = lock._install(task, self.token, fence, self._lease)
         self._holder = (lock, holding)
@@ -192,7 +226,7 @@ class Cohort:
     # -- release ---------------------------------------------------------------------------
 
     async def release(
-        self, lock: LeasedLock, holding: Holding, until: float | None = None
+        self, lock: Member, holding: Holding, until: float | None = None
     ) -> bool | Unanswered | None:
         """Release `holding` (already taken from `lock`): hand it to the next local task, or
         give the lease back through Redis. Returns True when it was held (False if not,
@@ -279,8 +313,9 @@ class Cohort:
 
     def _retire_if_idle(self) -> None:
         """Forget this cohort once nobody uses it (names may be many and short-lived)."""
-        if self.idle and self._context.cohorts.get(self._key) is self:
-            del self._context.cohorts[self._key]
+        cohorts = _cohorts.get(self._context)
+        if self.idle and cohorts is not None and cohorts.get(self._key) is self:
+            del cohorts[self._key]
 
     def _let_go(self) -> None:
         """The cohort no longer holds the lease (released, handed on, or lost)."""

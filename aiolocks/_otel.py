@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.util.types import AttributeValue
 
 from . import __version__
-from ._telemetry import ACQUIRED, ERROR, TIMEOUT, describe
-
-if TYPE_CHECKING:
-    from ._acquire import Spec
-    from ._holding import LeasedLock
-    from ._leases import Lease
+from ._telemetry import ACQUIRED, ERROR, TIMEOUT, Instrumented, Renewed, Spec, describe
 
 __all__ = ["OtelRecorder"]
 
@@ -116,7 +110,7 @@ class OtelRecorder:
 
     # -- acquire -----------------------------------------------------------------------
 
-    def acquire_started(self, lock: LeasedLock) -> object:
+    def acquire_started(self, lock: Instrumented) -> object:
         kind, name = describe(lock._spec.renew_keys[0])
         span = self._tracer.start_span(
             f"aiolocks.acquire {kind}", attributes={KIND: kind, NAME: name}
@@ -124,7 +118,7 @@ class OtelRecorder:
         return _Acquiring(kind, span, self._metric_attributes(lock._spec.renew_keys[0]))
 
     def acquire_ended(
-        self, handle: object, lock: LeasedLock, outcome: str, error: BaseException | None
+        self, handle: object, lock: Instrumented, outcome: str, error: BaseException | None
     ) -> None:
         assert isinstance(handle, _Acquiring)
         now = time.perf_counter()
@@ -173,7 +167,7 @@ class OtelRecorder:
             hold.span.add_event("aiolocks.lease.lost")
             hold.span.set_status(trace.StatusCode.ERROR, "lease lost")
 
-    def renewed(self, leases: Sequence[Lease], results: Sequence[object]) -> None:
+    def renewed(self, leases: Sequence[Renewed], results: Sequence[object]) -> None:
         self._batch.record(len(leases))
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, BaseException):

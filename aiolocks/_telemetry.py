@@ -14,14 +14,9 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from ._keys import parse_key
-
-if TYPE_CHECKING:
-    from ._acquire import Spec
-    from ._holding import LeasedLock
-    from ._leases import Lease
 
 __all__ = [
     "ACQUIRED",
@@ -30,7 +25,11 @@ __all__ = [
     "ERROR",
     "TIMEOUT",
     "Counters",
+    "Held",
+    "Instrumented",
     "Recorder",
+    "Renewed",
+    "Spec",
     "describe",
     "observe_acquire",
     "on_handoff",
@@ -45,7 +44,7 @@ log = logging.getLogger("aiolocks")
 # How an acquire() call ended.
 ACQUIRED, TIMEOUT, BUSY, CANCELLED, ERROR = "acquired", "timeout", "busy", "cancelled", "error"
 
-AcquireCall = Callable[["LeasedLock", bool, "float | None"], Awaitable[bool]]
+AcquireCall = Callable[["Instrumented", bool, "float | None"], Awaitable[bool]]
 F = TypeVar("F", bound=Callable[..., Awaitable[bool]])
 
 
@@ -61,14 +60,58 @@ class Counters:
         self.handoffs = 0  # grants its releases made to waiters
 
 
+# What the hooks read of the engine's objects, described here rather than imported: this
+# module sits at the bottom, below the specs, locks and leases that call it.
+
+
+class Spec(Protocol):
+    """A primitive instance's spec (`_acquire.Spec`): its renewal keys and counters."""
+
+    @property
+    def renew_keys(self) -> tuple[bytes, ...]: ...
+
+    @property
+    def counters(self) -> Counters: ...
+
+
+class Held(Protocol):
+    """One holding (`_holding.Holding`)."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def fence(self) -> int: ...
+
+
+class Instrumented(Protocol):
+    """A primitive instance whose `acquire()` is observed (`LeasedLock`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def _spec(self) -> Spec: ...
+
+    def _current(self) -> Held | None:
+        """The current task's holding, if any."""
+
+
+class Renewed(Protocol):
+    """A lease the keeper renews (`_leases.Lease`)."""
+
+    @property
+    def keys(self) -> tuple[bytes, ...]: ...
+
+
 class Recorder(Protocol):
     """What `instrument()` installs; every method is called on the event loop."""
 
-    def acquire_started(self, lock: LeasedLock) -> object:
+    def acquire_started(self, lock: Instrumented) -> object:
         """An acquire() call began; the returned handle comes back to `acquire_ended`."""
 
     def acquire_ended(
-        self, handle: object, lock: LeasedLock, outcome: str, error: BaseException | None
+        self, handle: object, lock: Instrumented, outcome: str, error: BaseException | None
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
         task holds `lock`."""
@@ -82,7 +125,7 @@ class Recorder(Protocol):
     def lease_lost(self, spec: Spec, token: str) -> None:
         """The lease of holding `token` was lost."""
 
-    def renewed(self, leases: Sequence[Lease], results: Sequence[object]) -> None:
+    def renewed(self, leases: Sequence[Renewed], results: Sequence[object]) -> None:
         """One renewal batch: each lease's result (1 renewed, 0 lost, an exception failed)."""
 
 
@@ -96,7 +139,7 @@ def observe_acquire(method: F) -> F:
 
     @functools.wraps(call)
     async def acquire(
-        lock: LeasedLock, blocking: bool = True, timeout: float | None = None
+        lock: Instrumented, blocking: bool = True, timeout: float | None = None
     ) -> bool:
         active = recorder
         if active is not None:
@@ -109,7 +152,7 @@ def observe_acquire(method: F) -> F:
 
 
 async def _observed(
-    active: Recorder, call: AcquireCall, lock: LeasedLock, blocking: bool, timeout: float | None
+    active: Recorder, call: AcquireCall, lock: Instrumented, blocking: bool, timeout: float | None
 ) -> bool:
     try:
         handle = active.acquire_started(lock)
@@ -128,7 +171,7 @@ async def _observed(
     return acquired
 
 
-def _tally(lock: LeasedLock, acquired: bool, blocking: bool, timeout: float | None) -> str:
+def _tally(lock: Instrumented, acquired: bool, blocking: bool, timeout: float | None) -> str:
     counters = lock._spec.counters
     if acquired:
         counters.acquisitions += 1
@@ -164,7 +207,7 @@ def on_lease_lost(spec: Spec, token: str) -> None:
         _safely(active.lease_lost, spec, token)
 
 
-def on_renewal(leases: Sequence[Lease], results: Sequence[object]) -> None:
+def on_renewal(leases: Sequence[Renewed], results: Sequence[object]) -> None:
     """The lease keeper settled one renewal batch."""
     active = recorder
     if active is not None and leases:

@@ -28,7 +28,7 @@ from aiolocks import (
     ServerUnavailable,
 )
 from aiolocks._acquire import _BACKGROUND
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 __all__ = [
     "KINDS",

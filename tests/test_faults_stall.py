@@ -25,7 +25,7 @@ from _servers import ServerProcess
 
 from aiolocks import LockLost, LockTimeout, RedisMutex, ServerUnavailable
 from aiolocks._acquire import _BACKGROUND, TRY_BOUND
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 
