@@ -32,7 +32,7 @@ from ._errors import (
     map_redis_errors,
 )
 from ._handle import LockHandle
-from ._holding import current_task
+from ._holding import Holding, current_task
 from ._lockcore import LockCore
 from ._replicas import confirm_replicated
 from ._settings import validate_timeout
@@ -172,23 +172,25 @@ class LeasedLock(LockCore):
             else:
                 answer = await self._release_surely(context, holding)
             if isinstance(answer, _acquire.Unanswered):
-                holding.lost_reason = (
+                raise self._lost_at_release(
+                    holding,
                     "Redis did not answer its release before the lease's validity ended "
-                    "(the release goes on in the background)"
+                    "(the release goes on in the background)",
                 )
-                _telemetry.on_lease_lost(self._spec, holding.token)
-                holding.lost.set()
-                raise self._lost_error(holding)
             held = answer
         if held is None:
             # The first call's reply was lost and the retry found it released: that was the
             # first call, unless the lease had ended, which its validity rules out.
             held = holding.lease is None or holding.lease.remaining > 0
         if not held:
-            holding.lost_reason = "it was no longer held when released"
-            _telemetry.on_lease_lost(self._spec, holding.token)
-            holding.lost.set()
-            raise self._lost_error(holding)
+            raise self._lost_at_release(holding, "it was no longer held when released")
+
+    def _lost_at_release(self, holding: Holding, reason: str) -> LockLost:
+        """The release found `holding`'s lease lost: recorded, and the error to raise."""
+        holding.lost_reason = reason
+        _telemetry.on_lease_lost(self._spec, holding.token)
+        holding.lost.set()
+        return self._lost_error(holding)
 
     # -- hand-over to another process --------------------------------------------------
 
