@@ -19,7 +19,6 @@ import asyncio
 import enum
 import functools
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -37,9 +36,9 @@ MAX_LOCAL_HANDOFF = 10_000
 
 _Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
 
-# Each context's cohorts, by key; idle ones leave. Kept here, keyed by the context, so the
-# context (below) need not know of cohorts.
-_cohorts: weakref.WeakKeyDictionary[ClientContext, dict[_Key, Cohort]] = weakref.WeakKeyDictionary()
+# Where a context keeps its cohorts (`ClientContext.extensions`): the context, below this
+# module, holds them without knowing their type, and frees them with itself.
+_EXTENSION = "cohorts"
 
 
 class Member(Protocol):
@@ -78,10 +77,10 @@ class _LocalWaiter:
 
 
 def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
-    """The cohorts `context` has now (for tests: an idle cohort is forgotten)."""
-    cohorts = _cohorts.get(context)
+    """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
+    cohorts: dict[_Key, Cohort] | None = context.extensions.get(_EXTENSION)
     if cohorts is None:
-        cohorts = _cohorts[context] = {}
+        cohorts = context.extensions[_EXTENSION] = {}
     return cohorts
 
 
@@ -106,6 +105,7 @@ class Cohort:
 
     def __init__(self, context: ClientContext, spec: _acquire.Spec, ttl_ms: int, bound: int):
         self._context = context
+        self._cohorts = cohorts_of(context)  # where it is kept while in use
         self._key = (spec.channel, ttl_ms, bound)
         self._spec = spec
         self._ttl_ms = ttl_ms
@@ -313,9 +313,8 @@ class Cohort:
 
     def _retire_if_idle(self) -> None:
         """Forget this cohort once nobody uses it (names may be many and short-lived)."""
-        cohorts = _cohorts.get(self._context)
-        if self.idle and cohorts is not None and cohorts.get(self._key) is self:
-            del cohorts[self._key]
+        if self.idle and self._cohorts.get(self._key) is self:
+            del self._cohorts[self._key]
 
     def _let_go(self) -> None:
         """The cohort no longer holds the lease (released, handed on, or lost)."""

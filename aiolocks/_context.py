@@ -109,6 +109,9 @@ class ClientContext(ScriptRunner):
         self.keeper = LeaseKeeper(self)
         # Registries' coalesced register() calls, by the registry's ids key.
         self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
+        # What the layers above keep per context, each under its own name (the local
+        # hand-off cohorts of `_cohort.py`): held, and freed, with the context.
+        self.extensions: dict[str, Any] = {}
         self.closed = False
         # Clean-ups left to finish in the background (see `_acquire.withdraw`): the end of
         # the loop waits for them.
