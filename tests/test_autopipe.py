@@ -1,4 +1,5 @@
-"""Auto-pipelining of the engine's script calls (`aiolocks/_autopipe.py`), on real servers.
+"""Auto-pipelining of the engine's script calls (`aiolocks/_autopipe.py`, its link
+`_pipelink.py` and the link's `_direct_reads.py`), on real servers.
 
 Batches are counted by the engine (`AutoPipeline.batches_sent`, `commands_sent`) and by the
 server (`INFO commandstats`, `CLIENT LIST`), never by timing. Faults on the link come from
@@ -19,7 +20,7 @@ from _proxy import Proxy
 from _servers import command_count
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks import RedisMutex, ServerUnavailable, _adapter, _autopipe
+from aiolocks import RedisMutex, ServerUnavailable, _adapter, _autopipe, _direct_reads, _pipelink
 from aiolocks._autopipe import AutoPipeline
 from aiolocks._context import ClientContext, context_for
 from aiolocks._runner import AUTOPIPELINE_ENV
@@ -27,7 +28,7 @@ from aiolocks._scripts import Script
 
 # Direct reads parse with hiredis; without it (a cell of `nox -s compat`) redis-py reads.
 needs_hiredis = pytest.mark.skipif(
-    not _autopipe._HIREDIS, reason="direct reads need hiredis, which is not installed"
+    not _direct_reads.HIREDIS, reason="direct reads need hiredis, which is not installed"
 )
 
 NAME = "autopipe-test"  # the client name the tests' clients give their connections
@@ -337,7 +338,7 @@ async def test_an_idle_link_gives_its_connection_back(
 ) -> None:
     """As redis-py left it: the transport gets the connection's own protocol back, and
     redis-py reads that connection again."""
-    monkeypatch.setattr(_autopipe, "IDLE_S", 0.05)
+    monkeypatch.setattr(_pipelink, "IDLE_S", 0.05)
     context = context_for(named)
     assert await context.run(ECHO, (), ("x",)) == b"x"
     link = _pipe(context)._link
@@ -406,7 +407,7 @@ async def test_replies_are_parsed_where_they_arrive(url: str, protocol: int, dec
             context.run(fresh, (), ()),
             return_exceptions=True,
         )
-        assert isinstance(_replies_protocol(_pipe(context)), _autopipe._Replies)
+        assert isinstance(_replies_protocol(_pipe(context)), _direct_reads.Replies)
         expected = [f"v{i}" if decode else f"v{i}".encode() for i in range(50)]
         assert replies[:50] == expected
         assert isinstance(replies[50], redis.exceptions.ResponseError)
@@ -507,4 +508,4 @@ async def test_the_redis_py_reader_still_serves_when_direct_reads_are_off(
     assert link is not None and link.parser is None
     writer = link.connection._writer
     assert writer is not None
-    assert not isinstance(writer.transport.get_protocol(), _autopipe._Replies)
+    assert not isinstance(writer.transport.get_protocol(), _direct_reads.Replies)

@@ -34,6 +34,7 @@ from aiolocks import (
     ServerUnavailable,
     _acquire,
     _autopipe,
+    _pipelink,
     multilock,
 )
 from aiolocks._context import context_for
@@ -616,7 +617,7 @@ async def test_a_blackholed_link_does_not_hold_every_script_call(
     replies are parsed where they arrive or read by its task (connections that are not
     sockets, RESP3 without hiredis' push type). Before, every script call of the client
     waited on the dead link: a free mutex was not acquired within 5 s."""
-    monkeypatch.setattr(_autopipe, "STALL_BOUND", 1.0, raising=False)
+    monkeypatch.setattr(_pipelink, "STALL_BOUND", 1.0)
     monkeypatch.setattr(_autopipe, "DIRECT_READS", reads == "direct")
     client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=None)
     try:
