@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import _adapter, _cancel
-from ._autopipe import AutoPipeline, Staged, command
+from ._autopipe import AutoPipeline
 from ._clients import AnyRedis, is_cluster
 from ._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
+from ._pipecall import Staged, command
 from ._scripts import Script
 
 __all__ = ["AUTOPIPELINE_ENV", "ScriptRunner", "autopipelining"]

@@ -23,7 +23,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             "_query", "_coalesce", "_telemetry", "_spec", "_embedded",
         }),
     ),
-    ("per-client runner", frozenset({"_autopipe", "_runner"})),
+    (
+        "per-client runner",
+        frozenset({"_autopipe", "_pipecall", "_pipelink", "_direct_reads", "_runner"}),
+    ),
     ("waiting, notification, leases", frozenset({"_waitqueue", "_notifier", "_leases"})),
     (
         "engine",
