@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import _telemetry
+from ._cancel import cancelling
 from ._context import ClientContext
 from ._errors import (
     AUTHENTICATION_ERRORS,
@@ -46,9 +47,9 @@ from ._errors import (
     TIMEOUT_ERRORS,
     TRYAGAIN_ERRORS,
 )
-from ._leases import Lease, cancelling, validity
+from ._leases import Lease, validity
+from ._lot import Carry, Waiter, Wake
 from ._scripts import Script
-from ._waitqueue import Carry, Waiter, Wake
 
 __all__ = [
     "Grant",

@@ -19,7 +19,7 @@ from typing import Any
 from . import _adapter
 from ._clients import AnyRedis
 from ._coalesce import Coalescer
-from ._leases import LeaseKeeper
+from ._keeper import LeaseKeeper
 from ._notifier import Notifier
 from ._runner import ScriptRunner
 from ._waitqueue import WaitQueue

@@ -78,10 +78,10 @@ from _harness import (
     write_json,
 )
 
-from aiolocks import LockLost, RedisMutex, _leases
+from aiolocks import LockLost, RedisMutex, _renewal
 from aiolocks import _telemetry as telemetry
 from aiolocks._context import context_for
-from aiolocks._leases import BATCH
+from aiolocks._renewal import BATCH, lease_calls
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 256  # tasks acquiring at once
@@ -268,18 +268,18 @@ async def call_sizes(url: str) -> list[dict[str, Any]]:
         locks = [RedisMutex(client, f"calls:{i}", ttl=60) for i in range(max(CALL_SIZES))]
         assert all(await asyncio.gather(*(lock.acquire() for lock in locks)))
         context = context_for(client)
-        keeper = context.keeper
         leases = [h.lease for lock in locks for h in lock._holdings.values() if h.lease]
         for size in CALL_SIZES:
             rounds = max(5, 20_000 // size)
-            _leases.BATCH = size  # (this process only: one call of `size` leases)
-            calls = keeper._calls(leases[:size])
+            _renewal.BATCH = size  # (this process only: one call of `size` leases)
+            calls = lease_calls(leases[:size], cluster=False)
             assert len(calls) == 1
             await context.pipeline([calls[0].staged()])  # the script is loaded
             await admin.config_resetstat()
             cpu = time.process_time()
             for _ in range(rounds):
-                (reply,) = await context.pipeline([keeper._calls(leases[:size])[0].staged()])
+                call = lease_calls(leases[:size], cluster=False)[0]
+                (reply,) = await context.pipeline([call.staged()])
                 assert reply == [], reply
             cpu = time.process_time() - cpu
             stats = (await admin.info("commandstats"))["cmdstat_evalsha"]
@@ -294,7 +294,7 @@ async def call_sizes(url: str) -> list[dict[str, Any]]:
             )
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        _leases.BATCH = BATCH
+        _renewal.BATCH = BATCH
         await context_for(client).aclose()
         await client.aclose()
         await admin.aclose()

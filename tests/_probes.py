@@ -13,7 +13,8 @@ import redis.asyncio
 
 from aiolocks._clients import AnyRedis
 from aiolocks._context import ClientContext, context_for
-from aiolocks._waitqueue import Waiter, WaitQueue
+from aiolocks._lot import Waiter
+from aiolocks._waitqueue import WaitQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued

@@ -360,13 +360,20 @@ async def spawn() -> AsyncIterator[Spawn]:
 async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, int]) -> None:
     """Acquire `lock` and cancel the attempt at a random point: before it starts, or within
     0..4 ms (in flight, queued, or granted with the grant unread), or for a tenth of them
-    within 0..50 ms. A grant that won the race is held briefly and released (adopting the
-    finished task's holding). Counts outcomes under "acquired" and "cancelled"."""
+    within 0..50 ms, and a few (3%) not before they are answered (up to 5 s), so that some
+    get in first however loaded the machine. A grant that won the race is held briefly and
+    released (adopting the finished task's holding). Counts outcomes under "acquired" and
+    "cancelled"."""
     task = asyncio.create_task(lock.acquire())
     roll = rng.random()
     if roll > 0.2:
         # Mostly within 4 ms; a few attempts wait longer, so that some get in first.
-        await asyncio.sleep(0 if roll < 0.4 else rng.random() * (0.004 if roll < 0.9 else 0.05))
+        if roll < 0.4:
+            await asyncio.sleep(0)
+        elif roll < 0.97:
+            await asyncio.sleep(rng.random() * (0.004 if roll < 0.9 else 0.05))
+        else:
+            await asyncio.wait([task], timeout=5.0)
     task.cancel()
     try:
         got = await task

@@ -26,7 +26,7 @@ from _proxy import Proxy
 from _servers import ServerProcess
 
 from aiolocks import LockLost, RedisMutex, RedisSemaphore
-from aiolocks import _notifier as notifier_module
+from aiolocks import _subscriptions as subscriptions_module
 from aiolocks._context import context_for
 from aiolocks._leasedlock import LeasedLock
 from aiolocks._waitqueue import WaitQueue
@@ -290,31 +290,32 @@ async def test_a_semaphore_waiter_wakes_at_the_earliest_lease_end(
 async def test_channels_that_leave_together_leave_no_stale_confirmation(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(notifier_module, "_LINGER", 0.05)
+    monkeypatch.setattr(subscriptions_module, "_LINGER", 0.05)
     client = redis.asyncio.Redis.from_url(server.url)
     admin = redis.asyncio.Redis.from_url(server.url)
     try:
         await admin.flushall()
         context = context_for(client)
         notifier = context.notifier
+        subscriptions = notifier._subscriptions
         channels = [f"aiolocks:mutex:{{leave-{i}}}:wake".encode() for i in range(20)]
         for channel in channels:
             await notifier.retain(channel, None)
         gone = asyncio.Event()
-        original = notifier._forget
+        original = subscriptions._forget
 
         def forget(channel: Any) -> None:
             original(channel)
-            if not notifier._channels:
+            if not subscriptions._channels:
                 gone.set()
 
-        monkeypatch.setattr(notifier, "_forget", forget)
+        monkeypatch.setattr(subscriptions, "_forget", forget)
         for channel in channels:
             notifier.release(channel)
         await asyncio.wait_for(gone.wait(), 5)
         # The reader ends once nothing is routed to it and (with the fix) every
         # unsubscription it sent is confirmed.
-        reader = notifier._links[""].reader
+        reader = subscriptions._links[""].reader
         if reader is not None:
             await asyncio.wait_for(asyncio.shield(reader), 5)
         started = time.monotonic()

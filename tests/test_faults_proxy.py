@@ -24,7 +24,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 
 from aiolocks import LockLost, ServerUnavailable
 from aiolocks._leasedlock import LeasedLock
-from aiolocks._leases import RENEW_BATCH
+from aiolocks._renewbatch import RENEW_BATCH
 
 pytestmark = pytest.mark.faults
 

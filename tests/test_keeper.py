@@ -17,7 +17,9 @@ from _servers import ServerProcess
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
 from aiolocks._context import context_for
 from aiolocks._leasedlock import LeasedLock
-from aiolocks._leases import BATCH, RENEW_BATCH, Lease, pack
+from aiolocks._leases import Lease
+from aiolocks._renewal import BATCH
+from aiolocks._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
 
 

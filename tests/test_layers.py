@@ -27,7 +27,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "per-client runner",
         frozenset({"_autopipe", "_pipecall", "_pipelink", "_direct_reads", "_runner"}),
     ),
-    ("waiting, notification, leases", frozenset({"_waitqueue", "_notifier", "_leases"})),
+    (
+        "waiting, notification, leases",
+        frozenset({
+            "_waitqueue", "_lot", "_notifier", "_pubsub", "_subscriptions", "_serverfacts",
+            "_leases", "_keeper", "_renewal", "_renewbatch",
+        }),
+    ),
     (
         "engine",
         frozenset({

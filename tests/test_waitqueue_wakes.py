@@ -25,8 +25,8 @@ from conftest import VARIANTS, ServerPool
 from aiolocks import RedisMutex, _acquire
 from aiolocks._acquire import Spec
 from aiolocks._context import context_for
+from aiolocks._lot import Carry, Waiter, Wake
 from aiolocks._scripts import Script
-from aiolocks._waitqueue import Carry, Waiter, Wake
 
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]
 TIMER_BOUND = 0.3  # the lot's timer re-checks within this of the lease's end (loaded machine)
