@@ -22,7 +22,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import RedisMutex, ServerUnavailable, _adapter, _autopipe, _direct_reads, _pipelink
 from aiolocks._autopipe import AutoPipeline
-from aiolocks._context import AUTOPIPELINE_ENV, ClientContext, context_for
+from aiolocks._context import ClientContext, context_for
+from aiolocks._runner import AUTOPIPELINE_ENV
 from aiolocks._scripts import Script
 
 # Direct reads parse with hiredis; without it (a cell of `nox -s compat`) redis-py reads.
