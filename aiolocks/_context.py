@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from . import _adapter
@@ -119,6 +119,9 @@ class ClientContext(ScriptRunner):
         # What the layers above keep per context, each under its own name (the local
         # hand-off cohorts of `_cohort.py`): held, and freed, with the context.
         self.extensions: dict[str, Any] = {}
+        # Called when the engine stops on this client (closed, or its loop ending), so a
+        # layer above ends its own timers and tasks with it (the election observers' hubs).
+        self.on_stop: list[Callable[[], None]] = []
         self.closed = False
         # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
         # the loop waits for them.
@@ -134,6 +137,9 @@ class ClientContext(ScriptRunner):
 
     async def _stop(self) -> None:
         self.closed = True
+        stopping, self.on_stop = self.on_stop, []
+        for stop in stopping:
+            stop()
         await self.keeper.aclose()
         await self.notifier.aclose()
         await super()._stop()
