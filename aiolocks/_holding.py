@@ -25,7 +25,7 @@ import anyio
 from . import _acquire, _awaiting, _confirm, _release, _spec, _telemetry, _withdraw
 from ._clients import AnyRedis, ensure_async_client, is_cluster
 from ._cohort import cohort_for, cohort_token
-from ._context import ClientContext, context_for, open_context
+from ._context import ClientContext, context_for
 from ._errors import (
     LockError,
     LockLost,
@@ -460,7 +460,6 @@ class LeasedLock:
         self._uncap(holding)
         context = context_for(self._client)
         self._stop_renewal(context, holding)
-        context.waitqueue.note_released(self._spec.channel, holding.token)  # no release here
         _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
 
@@ -576,12 +575,6 @@ class LeasedLock:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
-        # No longer a local holder whose release would carry later waiters of its name
-        # (its release, if any, carries nobody): they must not wait for it.
-        context = open_context(self._client)
-        if context is not None:
-            for channel in self._held_channels():
-                context.waitqueue.note_released(channel, holding.token)
         holding.lost_reason = reason
         _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()
@@ -593,10 +586,6 @@ class LeasedLock:
                 self._on_lost(self._lost_error(holding))
             except Exception:
                 log.exception("aiolocks: on_lost callback of %r failed", self._name)
-
-    def _held_channels(self) -> tuple[bytes, ...]:
-        """The channels its holdings are noted under as local holders (carrying)."""
-        return (self._spec.channel,)
 
     # -- the current task's holding ----------------------------------------------------
 

@@ -164,7 +164,7 @@ async def release_surely(
     re-raised.
     """
     try:
-        return await release(context, spec, token, ttl_ms, carry=True)
+        return await release(context, spec, token, ttl_ms)
     except asyncio.CancelledError:
         await withdraw(context, spec, token, ttl_ms, until)
         raise
@@ -189,7 +189,7 @@ async def release_until(
     is answered however long it waits; only a Redis that answers nothing, renewals
     included, runs the validity out. A loss the keeper finds meanwhile is reported by the
     release's answer (or by its validity ending), not by the keeper."""
-    first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
+    first = release(context, spec, token, ttl_ms) if call is None else call()
     if lease is not None:
         lease.on_lost = _told_by_the_release
     bound: _ValidityBound | None = None
