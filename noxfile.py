@@ -151,6 +151,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_registry.py")
     session.run("python", "benchmarks/bench_expiry.py")
     session.run("python", "benchmarks/bench_autopipe.py")
+    session.run("python", "benchmarks/bench_optimizations.py", *session.posargs)
     session.run("python", "benchmarks/bench_cluster.py")
     session.run("python", "benchmarks/bench_telemetry.py")
     session.run("python", "benchmarks/bench_scale.py", "--burst")

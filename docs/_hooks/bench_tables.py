@@ -391,6 +391,50 @@ def _autopipe(data: dict[str, Any]) -> str:
     )
 
 
+def _optimizations(data: dict[str, Any]) -> str:
+    """bench_optimizations.py: one row per optimization and workload, then the verdicts."""
+
+    def rows(table: list[dict[str, Any]]) -> list[Row]:
+        out: list[Row] = []
+        for row in table:
+            p99 = "-"
+            if row.get("p99_ms_with") is not None:
+                p99 = f"{_num(row['p99_ms_with'], 1)} / {_num(row['p99_ms_without'], 1)}"
+            out.append(
+                (
+                    f"`{row['optimization']}`",
+                    data["workloads"][row["workload"]],
+                    f"{_num(row['with'], 1)} {row['unit']}",
+                    _num(row["without"], 1),
+                    _times(row["gain"]),
+                    _times(row.get("cpu_gain")),
+                    p99,
+                )
+            )
+        return out
+
+    header = ("optimization", "workload", "with", "without", "gain", "CPU gain", "p99 ms")
+    repeats = [
+        f"{repeat['what']} ({repeat['rounds']} rounds, median shown):\n\n"
+        + _table(header, rows(repeat["table"]))
+        for repeat in data.get("repeats", [])
+    ]
+    verdicts = [
+        (f"`{name}`", switch["target"], *data["verdicts"].get(name, ("-", "-")))
+        for name, switch in data["switches"].items()
+    ]
+    return "\n\n".join(
+        [
+            _machine(data)
+            + f" {data['rounds']} rounds, median shown; load average at the end "
+            + " / ".join(f"{x:.1f}" for x in data.get("loadavg_at_end") or []),
+            _table(header, rows(data["table"])),
+            *repeats,
+            _table(("optimization", "switched by", "kept or removed", "why"), verdicts),
+        ]
+    )
+
+
 _SCALE = (
     ("acquire_per_s", "acquisitions/s", 0),
     ("client_cpu_us_per_renewal", "client CPU µs per renewal", 1),
@@ -588,6 +632,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "cluster": _cluster,
     "telemetry": _telemetry,
     "autopipe": _autopipe,
+    "optimizations": _optimizations,
     "local_handoff": _peers,  # bench_peers.py --only contended,processes: the same layout
     "uvloop": _peers,  # bench_peers.py --only ...,processes, with the uvloop rows
 }
