@@ -22,6 +22,7 @@ from ._autopipe import AutoPipeline, Staged, command
 from ._clients import AnyRedis, is_cluster
 from ._coalesce import Coalescer
 from ._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
+from ._gate import Gate
 from ._keeper import LeaseKeeper
 from ._notifier import Notifier
 from ._scripts import Script
@@ -37,6 +38,9 @@ log = logging.getLogger("aiolocks")
 # Commands the engine keeps in flight per client at most. redis-py's pool fails fast
 # ("Too many connections") past its limit rather than waiting, so the engine must queue.
 _MAX_IN_FLIGHT = 64
+# Releases one client has in flight at most: four times the calls the auto-pipeline's
+# link carries at once, so it always has the next batches queued.
+RELEASES_IN_FLIGHT = 4096
 
 # "0" (or "off", "false", "no") turns auto-pipelining off (see `_autopipe.py`): every
 # script call then goes on its own pooled connection, within the in-flight bound.
@@ -124,6 +128,8 @@ class ClientContext:
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(client, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
+        # Releases in flight at most (a burst of exits queues for a place: see _gate.py).
+        self.releases = Gate(RELEASES_IN_FLIGHT)
         # Script calls made in one loop iteration go out as one pipeline, on one connection.
         # Not on Cluster: redis-py routes each command to its slot's node and follows
         # MOVED / ASK there, which a connection of our own would have to redo.

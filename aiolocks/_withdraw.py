@@ -11,6 +11,7 @@ forgets the token by itself (its ttl).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -188,24 +189,33 @@ async def release_until(
     queued behind a burst (more calls than the link carries at once) keeps its lease and
     is answered however long it waits; only a Redis that answers nothing, renewals
     included, runs the validity out. A loss the keeper finds meanwhile is reported by the
-    release's answer (or by its validity ending), not by the keeper."""
-    first = release(context, spec, token, ttl_ms) if call is None else call()
+    release's answer (or by its validity ending), not by the keeper. At most
+    `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
+    (`_gate.py`), their validity followed from when they have one."""
     if lease is not None:
         lease.on_lost = _told_by_the_release
     bound: _ValidityBound | None = None
     try:
+        # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
+        await context.releases.enter()
+        first = release(context, spec, token, ttl_ms) if call is None else call()
         async with asyncio.timeout(None) as scope:
-            bound = _ValidityBound(scope, until, lease)
             try:
+                bound = _ValidityBound(scope, until, lease)
                 return await first
             finally:
-                bound.cancel()
+                context.releases.leave()
+                if bound is not None:
+                    bound.cancel()
                 if lease is not None:
                     context.keeper.drop(lease)
     except TimeoutError:
         await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
+        if lease is not None:  # (cancelled while waiting for its place)
+            context.keeper.drop(lease)
+            until = max(until, lease.valid_until)
         end = until if bound is None else bound.end()
         await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
         raise
@@ -213,6 +223,9 @@ async def release_until(
 
 def _told_by_the_release(reason: str) -> None:
     """A lease being released is not reported lost by the keeper (see `release_until`)."""
+
+
+_NO_CONTEXT = contextvars.Context()
 
 
 class _ValidityBound:
@@ -231,10 +244,13 @@ class _ValidityBound:
         return self.until if self.lease is None else max(self.until, self.lease.valid_until)
 
     def _arm(self) -> asyncio.TimerHandle:
+        # Itself the callback, in one shared empty context: no bound method and no copy
+        # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        return loop.call_at(loop.time() + (self.end() - time.monotonic()), self._due)
+        when = loop.time() + (self.end() - time.monotonic())
+        return loop.call_at(when, self, context=_NO_CONTEXT)
 
-    def _due(self) -> None:
+    def __call__(self) -> None:
         if self.end() > time.monotonic():
             self.handle = self._arm()  # renewed meanwhile
         else:

@@ -78,10 +78,9 @@ from _harness import (
     write_json,
 )
 
-from aiolocks import LockLost, RedisMutex, _renewal
+from aiolocks import LockLost, RedisMutex
 from aiolocks import _telemetry as telemetry
 from aiolocks._context import context_for
-from aiolocks._renewal import BATCH, lease_calls
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 256  # tasks acquiring at once
@@ -260,6 +259,9 @@ CALL_SIZES = (1, 10, 50, 100, 250, 500, 1000, 2000)
 
 async def call_sizes(url: str) -> list[dict[str, Any]]:
     """Server time per renewal call and per lease, client CPU per lease, by leases per call."""
+    from aiolocks import _renewal  # (here: a --burst --tree worker may run an older aiolocks)
+    from aiolocks._renewal import BATCH, lease_calls
+
     client = redis.asyncio.Redis.from_url(url)
     admin = redis.asyncio.Redis.from_url(url)
     rows = []
@@ -351,6 +353,8 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def main_calls(args: argparse.Namespace) -> None:
+    from aiolocks import _renewal
+
     began = time.monotonic()
     with bench_server(args.url) as (url, source):
         server = {**await server_info(url), "source": source}
@@ -360,7 +364,7 @@ async def main_calls(args: argparse.Namespace) -> None:
         "machine": machine(),
         "server": server,
         "took_s": round(time.monotonic() - began, 1),
-        "batch_in_use": BATCH,
+        "batch_in_use": _renewal.BATCH,
         "fields": {
             "server_us_per_call": "INFO commandstats usec_per_call of EVALSHA (renew_batch.lua)",
             "client_cpu_us_per_lease": "process CPU to build, send and read one call / leases",
@@ -462,7 +466,12 @@ class _Pauses:
 
 
 async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from aiolocks import _withdraw  # the worker's aiolocks: this tree's or --tree's
+    # The worker's aiolocks: this tree's or --tree's (before the acquire split, the
+    # background clean-ups were in _acquire).
+    try:
+        from aiolocks import _withdraw as cleanups
+    except ImportError:
+        from aiolocks import _acquire as cleanups  # type: ignore[no-redef]
 
     n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
     if spec.get("gc") == "off":
@@ -546,11 +555,11 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["other_errors"] = len(errors)
         if errors:
             result["first_error"] = repr(errors[0])
-        result["background_cleanups_after_release"] = len(_withdraw._BACKGROUND)
+        result["background_cleanups_after_release"] = len(cleanups._BACKGROUND)
         result.update(pauses.report("release"))
         # Clean-ups left in the background end within max(5 s, ttl): then count the warnings.
-        if _withdraw._BACKGROUND:
-            await asyncio.wait(list(_withdraw._BACKGROUND), timeout=max(5.0, ttl) + 5)
+        if cleanups._BACKGROUND:
+            await asyncio.wait(list(cleanups._BACKGROUND), timeout=max(5.0, ttl) + 5)
         result["unconfirmed"] = unconfirmed.count
         if unconfirmed.first:
             result["first_unconfirmed"] = unconfirmed.first

@@ -136,3 +136,42 @@ async def test_releases_queued_behind_a_burst_keep_their_leases_until_answered(
     assert renewals.lost == 0
     assert renewals.count - renewed >= 4 * count
     assert not await client.exists(*(lock._spec.keys[0] for lock in locks))  # owner keys
+
+
+async def test_a_burst_of_releases_waits_for_places_in_arrival_order(
+    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 releases at once with 8 places: 8 calls queue on the held link, the 32 others
+    wait for a place (a future each, no call, timer or coroutine chain of their own:
+    100,000 exits at once made so many objects that the collector's full collections
+    stalled the loop past the leases' validity, and every lease was lost); let go, all
+    are answered "held". Two of the waiting ones cancelled still release (in the
+    background) and give no place away: none is left taken."""
+    ttl, count, places = 5.0, 40, 8
+    locks = [RedisMutex(client, f"burst:{i}", ttl=ttl) for i in range(count)]
+    assert all(await asyncio.gather(*(lock.acquire() for lock in locks)))
+    context = context_for(client)
+    gate = context.releases
+    assert gate.inside == 0
+    monkeypatch.setattr(gate, "limit", places)
+    pipeline = context.autopipe
+    assert pipeline is not None
+    with link_held(client, monkeypatch) as let_go:
+        releasing = [asyncio.ensure_future(lock.release()) for lock in locks]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(pipeline._queue) == places
+        assert (gate.inside, len(gate.waiting)) == (places, count - places)
+        for task in releasing[20:22]:
+            task.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(pipeline._queue) == places + 2  # their clean-ups, outside the gate
+        let_go()
+        results = await asyncio.gather(*releasing, return_exceptions=True)
+    assert [type(r).__name__ for r in results[20:22]] == ["CancelledError"] * 2
+    assert [repr(r) for r in results[:20] + results[22:] if r is not None] == []
+    assert (gate.inside, len(gate.waiting)) == (0, 0)
+    if context.cleanups:
+        await asyncio.wait(context.cleanups, timeout=10)
+    assert not await client.exists(*(lock._spec.keys[0] for lock in locks))  # owner keys

@@ -107,8 +107,8 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
         holding_cls.__init__
     )
 
-    def holding_init(self: Any, task: Any, token: str, fence: int) -> None:
-        init(self, task, token, fence)
+    def holding_init(self: Any, lock: Any, task: Any, token: str, fence: int) -> None:
+        init(self, lock, task, token, fence)
         self.lost = _LostEvent()
 
     holding_init.__wrapped_init__ = init  # type: ignore[attr-defined]
