@@ -15,7 +15,7 @@ from ._errors import LockTimeout as LockTimeout
 from ._errors import NotReplicated as NotReplicated
 from ._errors import ServerUnavailable as ServerUnavailable
 from ._handle import LockHandle as LockHandle
-from ._holding import LockStatistics as LockStatistics
+from ._statistics import LockStatistics as LockStatistics
 from .election import ElectionInfo as ElectionInfo
 from .election import LeaderInfo as LeaderInfo
 from .election import RedisElection as RedisElection

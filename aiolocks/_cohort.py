@@ -20,21 +20,45 @@ import enum
 import functools
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from . import _awaiting, _release, _spec, _telemetry, _withdraw
+from . import _awaiting, _release, _telemetry, _withdraw
+from ._awaiting import Unanswered
+from ._context import ClientContext
+from ._holding import Holding
 from ._leases import Lease, validity
+from ._spec import Grant, Spec
 
-if TYPE_CHECKING:
-    from ._awaiting import Unanswered
-    from ._context import ClientContext
-    from ._holding import Holding, LeasedLock
-    from ._spec import Spec
-
-__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "cohort_for", "cohort_token"]
+__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
 
 
 MAX_LOCAL_HANDOFF = 10_000
+
+_Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
+
+# Where a context keeps its cohorts (`ClientContext.extensions`): the context, below this
+# module, holds them without knowing their type, and frees them with itself.
+_EXTENSION = "cohorts"
+
+
+class Member(Protocol):
+    """What a cohort calls on a lock whose tasks it serves (`LeasedLock` is one)."""
+
+    _spec: Spec
+    _holdings: dict[asyncio.Task[Any], Holding]
+
+    async def _acquire_grant(
+        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+    ) -> Grant | None: ...
+
+    def _new_lease(self, grant: Grant, on_lost: Callable[[str], None]) -> Lease: ...
+
+    def _install(
+        self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
+    ) -> Holding: ...
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None: ...
 
 
 class _Turn(enum.Enum):
@@ -47,18 +71,27 @@ class _Turn(enum.Enum):
 class _LocalWaiter:
     __slots__ = ("future", "lock", "task")
 
-    def __init__(self, lock: LeasedLock, task: asyncio.Task[Any]) -> None:
+    def __init__(self, lock: Member, task: asyncio.Task[Any]) -> None:
         self.lock = lock
         self.task = task
         self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
 
 
-def cohort_for(context: ClientContext, spec: _spec.Spec, ttl_ms: int, bound: int) -> Cohort:
+def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
+    """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
+    cohorts: dict[_Key, Cohort] | None = context.extensions.get(_EXTENSION)
+    if cohorts is None:
+        cohorts = context.extensions[_EXTENSION] = {}
+    return cohorts
+
+
+def cohort_for(context: ClientContext, spec: Spec, ttl_ms: int, bound: int) -> Cohort:
     """The cohort of this process for one lock and one setting of ttl and bound."""
     key = (spec.channel, ttl_ms, bound)
-    cohort = context.cohorts.get(key)
+    cohorts = cohorts_of(context)
+    cohort = cohorts.get(key)
     if cohort is None:
-        cohort = context.cohorts[key] = Cohort(context, spec, ttl_ms, bound)
+        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, bound)
     return cohort
 
 
@@ -71,8 +104,9 @@ class Cohort:
     """The tasks of one process (one client, one loop) that want one lock with one setting
     of `ttl` and `local_handoff`."""
 
-    def __init__(self, context: ClientContext, spec: _spec.Spec, ttl_ms: int, bound: int):
+    def __init__(self, context: ClientContext, spec: Spec, ttl_ms: int, bound: int):
         self._context = context
+        self._cohorts = cohorts_of(context)  # where it is kept while in use
         self._key = (spec.channel, ttl_ms, bound)
         self._spec = spec
         self._ttl_ms = ttl_ms
@@ -83,7 +117,7 @@ class Cohort:
         self._lease: Lease | None = None
         self._next_fence = 0
         self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
-        self._holder: tuple[LeasedLock, Holding] | None = None
+        self._holder: tuple[Member, Holding] | None = None
 
     @property
     def idle(self) -> bool:
@@ -92,7 +126,7 @@ class Cohort:
     # -- acquire ---------------------------------------------------------------------------
 
     async def acquire(
-        self, lock: LeasedLock, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
     ) -> bool:
         """Acquire for `task`: through Redis if the cohort is idle, else after the local
         tasks ahead of it (or as the next contender, if the lease leaves the process)."""
@@ -102,7 +136,7 @@ class Cohort:
             self._retire_if_idle()
 
     async def _acquire(
-        self, lock: LeasedLock, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
     ) -> bool:
         if self.idle:
             return await self._contend(lock, task, blocking, deadline)
@@ -142,7 +176,7 @@ class Cohort:
 
     async def _contend(
         self,
-        lock: LeasedLock,
+        lock: Member,
         task: asyncio.Task[Any],
         blocking: bool,
         deadline: float | None,
@@ -169,7 +203,7 @@ class Cohort:
         self._give(lock, task, grant.fence)
         return True
 
-    def _give(self, lock: LeasedLock, task: asyncio.Task[Any], fence: int) -> None:
+    def _give(self, lock: Member, task: asyncio.Task[Any], fence: int) -> None:
         assert self.token is not None and self._lease is not None
         holding = lock._install(task, self.token, fence, self._lease)
         self._holder = (lock, holding)
@@ -193,7 +227,7 @@ class Cohort:
     # -- release ---------------------------------------------------------------------------
 
     async def release(
-        self, lock: LeasedLock, holding: Holding, until: float | None = None
+        self, lock: Member, holding: Holding, until: float | None = None
     ) -> bool | Unanswered | None:
         """Release `holding` (already taken from `lock`): hand it to the next local task, or
         give the lease back through Redis. Returns True when it was held (False if not,
@@ -280,8 +314,8 @@ class Cohort:
 
     def _retire_if_idle(self) -> None:
         """Forget this cohort once nobody uses it (names may be many and short-lived)."""
-        if self.idle and self._context.cohorts.get(self._key) is self:
-            del self._context.cohorts[self._key]
+        if self.idle and self._cohorts.get(self._key) is self:
+            del self._cohorts[self._key]
 
     def _let_go(self) -> None:
         """The cohort no longer holds the lease (released, handed on, or lost)."""

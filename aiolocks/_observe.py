@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -111,11 +112,20 @@ _hubs: weakref.WeakKeyDictionary[ClientContext, dict[bytes, Hub]] = weakref.Weak
 
 def hub_for(context: ClientContext, channel: bytes, watch_key: bytes, read: Read) -> Hub:
     """The hub of the election whose channel is `channel`, on `context` (made on first use)."""
-    hubs = _hubs.setdefault(context, {})
+    hubs = _hubs.get(context)
+    if hubs is None:
+        hubs = _hubs[context] = {}
+        context.on_stop.append(functools.partial(_stop_hubs, context))
     hub = hubs.get(channel)
     if hub is None or hub.closed:
         hub = hubs[channel] = Hub(context, channel, watch_key, read)
     return hub
+
+
+def _stop_hubs(context: ClientContext) -> None:
+    """The engine stopped on `context`: no hub of it arms a timer or reads any more."""
+    for hub in list(_hubs.pop(context, {}).values()):
+        hub.stop()
 
 
 class Hub:
@@ -175,6 +185,14 @@ class Hub:
             if self._started is not None and not self._started.done():
                 return  # `_start` closes it once its subscription is in place
             self._close()
+
+    def stop(self) -> None:
+        """The engine stopped: end its timer and its read (its observers see no more)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._reading is not None:
+            self._reading.cancel()
 
     def _close(self) -> None:
         if self._timer is not None:

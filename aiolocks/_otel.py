@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.util.types import AttributeValue
 
 from . import __version__
-from ._telemetry import ACQUIRED, ERROR, TIMEOUT, describe
-
-if TYPE_CHECKING:
-    from ._holding import LeasedLock
-    from ._leases import Lease
-    from ._spec import Spec
+from ._telemetry import ACQUIRED, ERROR, TIMEOUT, LeaseView, LockView, SpecView, describe
 
 __all__ = ["OtelRecorder"]
 
@@ -116,7 +110,7 @@ class OtelRecorder:
 
     # -- acquire -----------------------------------------------------------------------
 
-    def acquire_started(self, lock: LeasedLock) -> object:
+    def acquire_started(self, lock: LockView) -> object:
         kind, name = describe(lock._spec.renew_keys[0])
         span = self._tracer.start_span(
             f"aiolocks.acquire {kind}", attributes={KIND: kind, NAME: name}
@@ -124,7 +118,7 @@ class OtelRecorder:
         return _Acquiring(kind, span, self._metric_attributes(lock._spec.renew_keys[0]))
 
     def acquire_ended(
-        self, handle: object, lock: LeasedLock, outcome: str, error: BaseException | None
+        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
     ) -> None:
         assert isinstance(handle, _Acquiring)
         now = time.perf_counter()
@@ -154,7 +148,7 @@ class OtelRecorder:
 
     # -- holding -----------------------------------------------------------------------
 
-    def released(self, spec: Spec, token: str) -> None:
+    def released(self, spec: SpecView, token: str) -> None:
         hold = self._holds.pop(token, None)
         if hold is None:
             return  # acquired before instrument() was called
@@ -162,18 +156,18 @@ class OtelRecorder:
         if hold.span is not None:
             hold.span.end()
 
-    def handed_off(self, spec: Spec, count: int, local: bool) -> None:
+    def handed_off(self, spec: SpecView, count: int, local: bool) -> None:
         attributes = self._metric_attributes(spec.renew_keys[0])
         self._handoffs.add(count, {**attributes, LOCAL: local})
 
-    def lease_lost(self, spec: Spec, token: str) -> None:
+    def lease_lost(self, spec: SpecView, token: str) -> None:
         self._lost.add(1, self._metric_attributes(spec.renew_keys[0]))
         hold = self._holds.get(token)
         if hold is not None and hold.span is not None:
             hold.span.add_event("aiolocks.lease.lost")
             hold.span.set_status(trace.StatusCode.ERROR, "lease lost")
 
-    def renewed(self, leases: Sequence[Lease], results: Sequence[object]) -> None:
+    def renewed(self, leases: Sequence[LeaseView], results: Sequence[object]) -> None:
         self._batch.record(len(leases))
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, BaseException):

@@ -14,14 +14,9 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from ._keys import parse_key
-
-if TYPE_CHECKING:
-    from ._holding import LeasedLock
-    from ._leases import Lease
-    from ._spec import Spec
 
 __all__ = [
     "ACQUIRED",
@@ -30,7 +25,11 @@ __all__ = [
     "ERROR",
     "TIMEOUT",
     "Counters",
+    "HoldingView",
+    "LockView",
     "Recorder",
+    "LeaseView",
+    "SpecView",
     "describe",
     "observe_acquire",
     "on_handoff",
@@ -45,7 +44,7 @@ log = logging.getLogger("aiolocks")
 # How an acquire() call ended.
 ACQUIRED, TIMEOUT, BUSY, CANCELLED, ERROR = "acquired", "timeout", "busy", "cancelled", "error"
 
-AcquireCall = Callable[["LeasedLock", bool, "float | None"], Awaitable[bool]]
+AcquireCall = Callable[["LockView", bool, "float | None"], Awaitable[bool]]
 F = TypeVar("F", bound=Callable[..., Awaitable[bool]])
 
 
@@ -61,28 +60,72 @@ class Counters:
         self.handoffs = 0  # grants its releases made to waiters
 
 
+# What the hooks read of the engine's objects, described here rather than imported: this
+# module sits at the bottom, below the specs, locks and leases that call it.
+
+
+class SpecView(Protocol):
+    """A primitive instance's `Spec`: its renewal keys and counters."""
+
+    @property
+    def renew_keys(self) -> tuple[bytes, ...]: ...
+
+    @property
+    def counters(self) -> Counters: ...
+
+
+class HoldingView(Protocol):
+    """One holding (`_holding.Holding`)."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def fence(self) -> int: ...
+
+
+class LockView(Protocol):
+    """A primitive instance whose `acquire()` is observed (`LeasedLock`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def _spec(self) -> SpecView: ...
+
+    def _current(self) -> HoldingView | None:
+        """The current task's holding, if any."""
+
+
+class LeaseView(Protocol):
+    """A lease the keeper renews (`_leases.Lease`)."""
+
+    @property
+    def keys(self) -> tuple[bytes, ...]: ...
+
+
 class Recorder(Protocol):
     """What `instrument()` installs; every method is called on the event loop."""
 
-    def acquire_started(self, lock: LeasedLock) -> object:
+    def acquire_started(self, lock: LockView) -> object:
         """An acquire() call began; the returned handle comes back to `acquire_ended`."""
 
     def acquire_ended(
-        self, handle: object, lock: LeasedLock, outcome: str, error: BaseException | None
+        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
         task holds `lock`."""
 
-    def released(self, spec: Spec, token: str) -> None:
+    def released(self, spec: SpecView, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""
 
-    def handed_off(self, spec: Spec, count: int, local: bool) -> None:
+    def handed_off(self, spec: SpecView, count: int, local: bool) -> None:
         """A release let `count` waiters in (`local`: a cohort's pass, no Redis call)."""
 
-    def lease_lost(self, spec: Spec, token: str) -> None:
+    def lease_lost(self, spec: SpecView, token: str) -> None:
         """The lease of holding `token` was lost."""
 
-    def renewed(self, leases: Sequence[Lease], results: Sequence[object]) -> None:
+    def renewed(self, leases: Sequence[LeaseView], results: Sequence[object]) -> None:
         """One renewal batch: each lease's result (1 renewed, 0 lost, an exception failed)."""
 
 
@@ -95,9 +138,7 @@ def observe_acquire(method: F) -> F:
     call = cast(AcquireCall, method)
 
     @functools.wraps(call)
-    async def acquire(
-        lock: LeasedLock, blocking: bool = True, timeout: float | None = None
-    ) -> bool:
+    async def acquire(lock: LockView, blocking: bool = True, timeout: float | None = None) -> bool:
         active = recorder
         if active is not None:
             return await _observed(active, call, lock, blocking, timeout)
@@ -109,7 +150,7 @@ def observe_acquire(method: F) -> F:
 
 
 async def _observed(
-    active: Recorder, call: AcquireCall, lock: LeasedLock, blocking: bool, timeout: float | None
+    active: Recorder, call: AcquireCall, lock: LockView, blocking: bool, timeout: float | None
 ) -> bool:
     try:
         handle = active.acquire_started(lock)
@@ -128,7 +169,7 @@ async def _observed(
     return acquired
 
 
-def _tally(lock: LeasedLock, acquired: bool, blocking: bool, timeout: float | None) -> str:
+def _tally(lock: LockView, acquired: bool, blocking: bool, timeout: float | None) -> str:
     counters = lock._spec.counters
     if acquired:
         counters.acquisitions += 1
@@ -139,14 +180,14 @@ def _tally(lock: LeasedLock, acquired: bool, blocking: bool, timeout: float | No
     return TIMEOUT
 
 
-def on_release(spec: Spec, token: str) -> None:
+def on_release(spec: SpecView, token: str) -> None:
     """The holding `token` is being released."""
     active = recorder
     if active is not None:
         _safely(active.released, spec, token)
 
 
-def on_handoff(spec: Spec, count: int, *, local: bool = False) -> None:
+def on_handoff(spec: SpecView, count: int, *, local: bool = False) -> None:
     """A release let `count` waiters in (it may be 0): by the release script's grants, or
     `local`ly, a `local_handoff` cohort passing its lease to its next task."""
     if count:
@@ -156,7 +197,7 @@ def on_handoff(spec: Spec, count: int, *, local: bool = False) -> None:
             _safely(active.handed_off, spec, count, local)
 
 
-def on_lease_lost(spec: Spec, token: str) -> None:
+def on_lease_lost(spec: SpecView, token: str) -> None:
     """The lease of holding `token` was lost (found by renewal, or at release)."""
     spec.counters.leases_lost += 1
     active = recorder
@@ -164,7 +205,7 @@ def on_lease_lost(spec: Spec, token: str) -> None:
         _safely(active.lease_lost, spec, token)
 
 
-def on_renewal(leases: Sequence[Lease], results: Sequence[object]) -> None:
+def on_renewal(leases: Sequence[LeaseView], results: Sequence[object]) -> None:
     """The lease keeper settled one renewal batch."""
     active = recorder
     if active is not None and leases:

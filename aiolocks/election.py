@@ -21,10 +21,12 @@ from . import _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LockLost, map_redis_errors
-from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._holding import Holding
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._leasedlock import LeasedLock
 from ._observe import Hub, Observer, State, hub_for, info_fields
 from ._scripts import load
+from ._settings import DEFAULT_TTL, LostCallback
 
 __all__ = ["ElectionInfo", "LeaderInfo", "RedisElection", "Term"]
 

@@ -23,11 +23,13 @@ from . import _acquire, _awaiting, _confirm, _release, _spec, _withdraw
 from ._clients import AnyRedis, is_cluster
 from ._context import ClientContext
 from ._errors import LockLost, map_redis_errors
-from ._holding import DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._holding import Holding
 from ._keys import DEFAULT_PREFIX, validate_name
+from ._leasedlock import LeasedLock
 from ._leases import Lease
 from ._query import query
 from ._scripts import load
+from ._settings import DEFAULT_TTL, LostCallback
 from ._telemetry import Counters
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 

@@ -9,10 +9,11 @@ from . import _spec
 from ._clients import AnyRedis
 from ._cohort import MAX_LOCAL_HANDOFF
 from ._errors import map_redis_errors
-from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._leasedlock import LeasedLock
 from ._query import query
 from ._scripts import Script, load
+from ._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 from ._telemetry import Counters
 
 __all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]

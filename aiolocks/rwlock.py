@@ -10,10 +10,12 @@ from . import _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import map_redis_errors
-from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, Holding, LeasedLock, LostCallback
+from ._holding import Holding
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._leasedlock import LeasedLock
 from ._query import query
 from ._scripts import Script, load
+from ._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 
 __all__ = ["RWLockInfo", "ReadLock", "RedisReadWriteLock", "WriteLock"]
 

@@ -10,10 +10,11 @@ from . import _release, _spec
 from ._clients import AnyRedis
 from ._context import context_for
 from ._errors import LimitMismatch, map_redis_errors
-from ._holding import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LeasedLock, LostCallback
 from ._keys import DEFAULT_PREFIX, KeySpace
+from ._leasedlock import LeasedLock
 from ._query import query
 from ._scripts import Script, load
+from ._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 
 __all__ = ["RedisSemaphore", "SemaphoreInfo"]
 

@@ -40,7 +40,7 @@ import redis.asyncio
 from ._context import context_for
 from ._embedded import start_embedded_server
 from ._errors import LockNotOwned, map_redis_errors
-from ._holding import LeasedLock
+from ._leasedlock import LeasedLock
 from ._scripts import load
 from .election import RedisElection, Term
 from .mutex import RedisMutex

@@ -281,9 +281,9 @@ _CLIENT: list[redis.asyncio.Redis] = []
 
 async def worker_main(spec: dict[str, Any]) -> None:
     if spec["bound"] is not None:
-        import aiolocks._context
+        import aiolocks._runner
 
-        aiolocks._context._MAX_IN_FLIGHT = spec["bound"]
+        aiolocks._runner._MAX_IN_FLIGHT = spec["bound"]
     client = redis.asyncio.Redis.from_url(spec["url"], client_name=CLIENT_NAME)
     _CLIENT.append(client)
     size, workload = spec["size"], spec["workload"]

@@ -52,7 +52,7 @@ from opentelemetry.trace import NoOpTracerProvider
 
 import aiolocks.otel
 from aiolocks import RedisMutex, _telemetry
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 MODES = ("none", "off", "metrics", "on")
 HOOKS = ("on_release", "on_handoff", "on_lease_lost", "on_renewal")

@@ -27,7 +27,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 from aiolocks._withdraw import _BACKGROUND
 
 __all__ = [

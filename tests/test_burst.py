@@ -19,8 +19,9 @@ from _probes import Renewals
 from _servers import ServerProcess
 
 from aiolocks import RedisMutex, _telemetry
-from aiolocks._context import AUTOPIPELINE_ENV, context_for
+from aiolocks._context import context_for
 from aiolocks._leases import Lease
+from aiolocks._runner import AUTOPIPELINE_ENV
 
 
 @pytest.fixture

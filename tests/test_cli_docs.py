@@ -24,7 +24,7 @@ from aiolocks import (
     RedisReadWriteLock,
     RedisRegistry,
     RedisSemaphore,
-    _holding,
+    _leasedlock,
 )
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
@@ -101,7 +101,8 @@ async def test_every_command_in_the_docs_runs_as_documented(
     try:
         scripted = iter(TOKENS)
         with monkeypatch.context() as patch:
-            patch.setattr(_holding, "secrets", SimpleNamespace(token_hex=lambda _: next(scripted)))
+            tokens = SimpleNamespace(token_hex=lambda _: next(scripted))
+            patch.setattr(_leasedlock, "secrets", tokens)
             held = await hold_the_examples_locks(r, other, tasks)
         assert next(scripted, None) is None  # every documented token was used
 

@@ -419,6 +419,28 @@ async def test_observe_closed_or_dropped_leaves_the_subscription(r: redis.asynci
     assert not _hubs[context]
 
 
+async def test_an_observed_leaders_timer_ends_when_the_engine_stops(
+    r: redis.asyncio.Redis,
+) -> None:
+    """An observer shown a leader arms a timer at that lease's end; the engine stopping on
+    the client (closed, or its loop ending) ends it, even with the observer still there:
+    a program whose loop ends leaves no timer of aiolocks armed."""
+    observing = redis.asyncio.Redis(connection_pool=r.connection_pool)
+    context = context_for(observing)
+    changes = RedisElection(observing, "scheduler").observe()
+    async with RedisElection(r, "scheduler", ttl=30).campaign("a"):
+        while (info := await asyncio.wait_for(changes.__anext__(), 5)) is None:
+            pass
+        assert info.value == "a"
+        (hub,) = _hubs[context].values()
+        timer = hub._timer
+        assert timer is not None and not timer.cancelled()  # armed at the lease's end
+        await context.aclose()
+        assert timer.cancelled()
+        assert hub._timer is None and context not in _hubs
+    await changes.aclose()  # type: ignore[attr-defined]
+
+
 # -- cancellation ----------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from aiolocks import (
     RedisSemaphore,
 )
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 TTL = 1.0
 IDLE = 1.0  # IDLE_MS in _prelude.lua: keys outlive the last lease by this much

@@ -23,6 +23,7 @@ import redis.asyncio
 from _faultreport import record
 from _faults import KINDS, Kind, Side, leftovers, make_sides
 
+from aiolocks._cohort import cohorts_of
 from aiolocks._context import context_for
 
 pytestmark = pytest.mark.faults
@@ -155,7 +156,7 @@ async def test_a_cancellation_storm_leaves_only_the_fence_counter(
     swallowed = sum(counts["swallowed"] for counts in outcomes.values())
     orphans = await leftovers(clients[0], kind, name)
     parked = [len(context_for(client).waitqueue) for client in clients]
-    cohorts = [context_for(client).cohorts for client in clients]
+    cohorts = [cohorts_of(context_for(client)) for client in clients]
     stats = [side.lock.statistics() for side in sides]
     record(
         "5 cancellation storm",

@@ -28,7 +28,7 @@ from _servers import ServerProcess
 from aiolocks import LockLost, RedisMutex, RedisSemaphore
 from aiolocks import _subscriptions as subscriptions_module
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 from aiolocks._waitqueue import WaitQueue
 from aiolocks.mutex import _RELEASE as MUTEX_RELEASE
 from aiolocks.semaphore import _ACQUIRE as SEM_ACQUIRE

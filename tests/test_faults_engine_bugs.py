@@ -38,8 +38,9 @@ from aiolocks import (
     _withdraw,
     multilock,
 )
-from aiolocks._context import AUTOPIPELINE_ENV, context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._context import context_for
+from aiolocks._leasedlock import LeasedLock
+from aiolocks._runner import AUTOPIPELINE_ENV
 from aiolocks._scripts import Script
 from aiolocks.election import _Candidacy
 

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 
 from aiolocks import LockLost, ReadLock, RedisMutex, RedisReadWriteLock, RedisSemaphore, _release
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 

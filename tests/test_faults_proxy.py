@@ -23,7 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 from aiolocks import LockLost, ServerUnavailable
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 from aiolocks._renewbatch import RENEW_BATCH
 
 pytestmark = pytest.mark.faults

@@ -33,7 +33,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 

@@ -21,7 +21,7 @@ from _faults import close_client, snapshot
 from _probes import QueueProbe
 from _servers import KINDS, ServerKind, ServerProcess, free_port
 
-import aiolocks._holding
+import aiolocks._leasedlock
 from aiolocks import (
     AccessDenied,
     RedisMutex,
@@ -30,7 +30,7 @@ from aiolocks import (
     ServerUnavailable,
 )
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 
@@ -221,7 +221,7 @@ async def test_tokens_are_128_random_bits_from_secrets(
         return made[-1]
 
     # Only the lock's own module sees the spy (the client tag also comes from `secrets`).
-    monkeypatch.setattr(aiolocks._holding, "secrets", SimpleNamespace(token_hex=token_hex))
+    monkeypatch.setattr(aiolocks._leasedlock, "secrets", SimpleNamespace(token_hex=token_hex))
     mutex = RedisMutex(r, "tokens")
     for _ in range(200):
         assert await mutex.acquire()

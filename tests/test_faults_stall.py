@@ -25,7 +25,7 @@ from _servers import ServerProcess
 
 from aiolocks import LockLost, LockTimeout, RedisMutex, ServerUnavailable
 from aiolocks._acquire import TRY_BOUND
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 from aiolocks._withdraw import _BACKGROUND
 
 pytestmark = pytest.mark.faults

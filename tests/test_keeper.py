@@ -16,7 +16,7 @@ from _servers import ServerProcess
 
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 from aiolocks._leases import Lease
 from aiolocks._renewal import BATCH
 from aiolocks._renewbatch import RENEW_BATCH, pack

@@ -20,6 +20,7 @@ from _servers import arun_workers
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockLost, RedisMutex
+from aiolocks._cohort import cohorts_of
 from aiolocks._context import context_for
 from aiolocks.testing import expire_lease
 
@@ -66,7 +67,7 @@ async def test_one_process_passes_the_lease_without_round_trips(r: redis.asyncio
     assert len(fences) == 320
     assert all(a < b for a, b in itertools.pairwise(fences)), fences
     assert calls <= 320 // 17 + 8, calls  # acquire, a keep per block, the last release
-    assert context.cohorts == {}  # an idle cohort is forgotten
+    assert cohorts_of(context) == {}  # an idle cohort is forgotten
     info = await RedisMutex(r, "chain").inspect()
     assert info.owner is None and info.queue_length == 0
     assert info.fence >= fences[-1]  # the last block may be partly unused
@@ -150,7 +151,7 @@ async def test_a_remote_waiter_gets_in_within_the_bound(url: str) -> None:
         # load it did), so that one can be counted too.
         assert len(before_remote) <= bound + 1, (before_remote, remote_fence)
         assert len(probe.queued) == 1
-        assert context_for(local).cohorts == {}
+        assert cohorts_of(context_for(local)) == {}
     finally:
         await local.aclose()
         await remote.aclose()
@@ -197,7 +198,7 @@ async def test_lease_lost_during_a_local_chain(r: redis.asyncio.Redis) -> None:
     assert len(fences) == 7 and fences[0] < min(fences[1:])
     assert len(set(fences)) == 7
     assert check(await log.entries(), counter=await log.counter()) == []
-    assert context_for(r).cohorts == {}
+    assert cohorts_of(context_for(r)) == {}
     assert (await RedisMutex(r, name).inspect()).owner is None
 
 
@@ -225,7 +226,7 @@ async def test_local_waiters_time_out_and_cancel_cleanly(r: redis.asyncio.Redis)
     assert (await RedisMutex(r, name).inspect()).owner is not None
     await locks[2].release()  # adopts the finished task's holding
     assert (await RedisMutex(r, name).inspect()).owner is None
-    assert context_for(r).cohorts == {}
+    assert cohorts_of(context_for(r)) == {}
 
 
 async def test_local_handoff_is_validated(r: redis.asyncio.Redis) -> None:

@@ -1,7 +1,7 @@
 """The server-side operations, one `.lua` file each, with the shared prelude prepended.
 
 A `Script` is immutable text plus its SHA1: nothing here is bound to a client. Loading
-into a server happens per client, lazily, when EVALSHA answers NOSCRIPT (see `_context`).
+into a server happens per client, lazily, when EVALSHA answers NOSCRIPT (see `_runner`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 from .._errors import LimitMismatch, LockLost
-from .._holding import LeasedLock
+from .._leasedlock import LeasedLock
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore
 from ._connect import connected, server_url

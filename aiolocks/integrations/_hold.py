@@ -20,8 +20,8 @@ import anyio
 
 from .._clients import AnyRedis, ensure_async_client
 from .._errors import AccessDenied, LockLost, ServerUnavailable
-from .._holding import DEFAULT_TTL, _validate_ttl, validate_timeout
 from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from .._settings import DEFAULT_TTL, validate_timeout, validate_ttl
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore, _validate_limit
 
@@ -121,7 +121,7 @@ class LockPolicy:
 
     def __post_init__(self) -> None:
         # Fail when the app is built, not on its first request.
-        _validate_ttl(self.ttl)
+        validate_ttl(self.ttl)
         validate_timeout(self.timeout)
         if self.limit is not None:
             _validate_limit(self.limit)

@@ -69,9 +69,9 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     import fakeredis._socket._base as fr_base
     import fakeredis.commands_mixins.server_mixin as fr_server
 
-    import aiolocks._context
     import aiolocks._holding
     import aiolocks._leases
+    import aiolocks._runner
 
     from ._net import ServerClock
 
@@ -93,7 +93,7 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
         proc = PROCESS.get()
         return bool(getattr(proc, "autopipe", True))
 
-    aiolocks._context.autopipelining = autopipelining
+    aiolocks._runner.autopipelining = autopipelining
 
     lease_cls = aiolocks._leases.Lease
     slot = lease_cls.__dict__.get("valid_until")

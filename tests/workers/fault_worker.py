@@ -30,7 +30,7 @@ from aiolocks import (
     ServerUnavailable,
 )
 from aiolocks._context import context_for
-from aiolocks._holding import LeasedLock
+from aiolocks._leasedlock import LeasedLock
 
 KINDS = ("mutex", "semaphore", "rwlock")
 
