@@ -31,6 +31,7 @@ from aiolocks import (
     RedisElection,
     RedisMultiLock,
     RedisMutex,
+    RedisSemaphore,
     ServerUnavailable,
     _acquire,
     _autopipe,
@@ -540,3 +541,50 @@ async def test_a_failed_config_get_does_not_end_a_queued_acquisition(
         record("24.5 failed CONFIG GET", trials=1, recover=[late], note=f"granted {late:.3f} s")
     finally:
         await close_client(client)
+
+
+# -- a release cancelled after its lease's validity ended --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+async def test_a_release_cancelled_after_the_validity_ended_records_the_loss(
+    r: redis.asyncio.Redis, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop stall outlasts the lease's validity, then the release is cancelled with its
+    call in flight (found by the simulation, seed 1035). The keeper reports no loss of a
+    lease being released and the cancelled release answered nothing: before, the loss was
+    never recorded (the holding's `lost` never set, no count in `statistics()`)."""
+    lock: LeasedLock = (
+        RedisMutex(r, "cancel-late", ttl=1)
+        if kind == "mutex"
+        else RedisSemaphore(r, "cancel-late", limit=2, ttl=1)
+    )
+    context = context_for(r)
+    run, sent = context.run, asyncio.Event()
+
+    async def held_in_flight(script: Script, *args: Any, **options: Any) -> Any:
+        if script is lock._spec.release:
+            sent.set()
+            await asyncio.sleep(0.2)  # on its way: the cancel comes before the answer
+        return await run(script, *args, **options)
+
+    monkeypatch.setattr(context, "run", held_in_flight)
+    holdings = []
+
+    async def hold() -> None:
+        assert await lock.acquire()
+        holdings.append(lock._current())
+        time.sleep(1.2)  # noqa: ASYNC251 (the loop stalls past the validity: ttl 1 s)
+        await lock.release()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.wait_for(sent.wait(), 5)
+    holder.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    (holding,) = holdings
+    assert holding is not None and holding.lease is not None
+    assert holding.lease.remaining <= 0
+    assert holding.lost.is_set(), "a loss after the validity ended went unrecorded"
+    assert holding.lost_reason is not None and "cancelled" in holding.lost_reason
+    assert lock.statistics().leases_lost == 1
