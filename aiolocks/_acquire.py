@@ -10,10 +10,7 @@ or the clean-up:
             ─queued/busy─> PARK (not parked yet) or SLEEP
             ─Redis unreachable, parked and answered before─> OUTAGE
             ─reconfigured meanwhile (a stale spec refused)─> TRY
-    PARK    join the local queue (heartbeats), subscribe to the channel
-            ─a local holder's release may carry it─> CARRIED    (else TRY)
-    CARRIED wait up to CARRY_WAIT for that release to queue or grant it
-            ─granted─> done    ─deadline─> done (Miss)    ─else─> TRY
+    PARK    join the local queue (heartbeats), subscribe to the channel ─> TRY
     SLEEP   wait for a grant, a re-check hint, the lot's lease timer or the deadline
             ─granted─> done    ─deadline─> done (Miss)    ─else─> TRY
     OUTAGE  past the deadline: done (Miss); else a back-off ─granted─> done  ─else─> TRY
@@ -45,7 +42,7 @@ from ._errors import (
     NOPERMISSION_ERRORS,
     REDIS_ERRORS,
 )
-from ._lot import Carry, Waiter, Wake
+from ._lot import Waiter, Wake
 from ._release import wake_granted
 from ._spec import (
     BUSY,
@@ -63,14 +60,11 @@ from ._spec import (
 )
 from ._withdraw import CLEANUP_BOUND, GRACE, answered, background_release, withdraw
 
-__all__ = ["CARRY_WAIT", "TRY_BOUND", "acquire"]
+__all__ = ["TRY_BOUND", "acquire"]
 
 # One try (blocking=False) waits for the server at most the client's socket_timeout, or
 # this long when it has none; past it the call raises ServerUnavailable.
 TRY_BOUND = 2.0
-# How long a task that asks for a carrying primitive (a mutex) while another task of the
-# same client holds it waits for that holder's release to queue it, before it queues itself.
-CARRY_WAIT = 0.002
 
 _NOT_SUBSCRIBED: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
 _UNANSWERED: tuple[type[Exception], ...] = (*LOST_REPLY, *INVALID_RESPONSE_ERRORS, OSError)
@@ -110,12 +104,11 @@ async def acquire(
 class _State(enum.Enum):
     TRY = "try"
     PARK = "park"
-    CARRIED = "carried"
     SLEEP = "sleep"
     OUTAGE = "outage"
 
 
-TRY, PARK, CARRIED, SLEEP, OUTAGE = _State
+TRY, PARK, SLEEP, OUTAGE = _State
 # What a state leads to: the next state, or how the acquisition ends.
 _Next: TypeAlias = "_State | Grant | Miss"
 
@@ -166,8 +159,6 @@ class _Acquisition:
                 step = await self.try_script()
             elif step is PARK:
                 step = await self.park()
-            elif step is CARRIED:
-                step = await self.carried()
             elif step is SLEEP:
                 step = self.woken(await self.parked().sleep())
             else:  # OUTAGE
@@ -176,7 +167,7 @@ class _Acquisition:
 
     def parks_first(self) -> bool:
         """Blocking, on a channel this client already watches: contended, most likely, so it
-        parks before its first call, which then queues it (and a local holder may carry it)."""
+        parks before its first call, which then queues it."""
         return self.blocking and self.context.notifier.watching(self.spec.channel)
 
     async def try_script(self) -> _Next:
@@ -266,36 +257,12 @@ class _Acquisition:
         """PARK: join the local queue (the keeper heartbeats it) and subscribe."""
         context, spec = self.context, self.spec
         waiter = context.waitqueue.park(
-            spec.channel,
-            self.token,
-            self.ttl_ms,
-            spec.kind,
-            spec.shared,
-            spec.carries,
-            self.deadline,
+            spec.channel, self.token, self.ttl_ms, spec.kind, spec.shared, self.deadline
         )
         self.waiter = waiter
         context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
         self.subscribed = await _subscribe(context, spec, self.deadline)
-        return CARRIED if context.waitqueue.defer(waiter) else TRY
-
-    async def carried(self) -> _Next:
-        """CARRIED: wait for a local holder's release to carry it (`WaitQueue.defer`). Not
-        taken within CARRY_WAIT (or told to re-check), it calls on its own; once a release
-        has taken it, it waits for that release's answer: a grant, or, queued on the server,
-        its grant as any waiter's."""
-        waiter = self.parked()
-        until = time.monotonic() + CARRY_WAIT
-        try:
-            while True:
-                wake = await waiter.sleep(until if waiter.carry is Carry.WAITING else None)
-                if wake is not Wake.UNTIL or waiter.carry is not Carry.TAKEN:
-                    break  # (else taken just as the wait ran out: its release's answer wakes it)
-            self.context.waitqueue.undefer(waiter)  # it calls now (no-op if a release took it)
-        finally:
-            if waiter.carry is Carry.TAKEN:
-                self.on_server = True  # a release call may have queued it
-        return self.woken(wake)
+        return TRY
 
     async def outage(self) -> _Next:
         """OUTAGE: Redis could not be reached; re-try after a back-off (or sooner, on a
@@ -324,8 +291,6 @@ class _Acquisition:
         if self.late.confirm(at, self.waiter):
             return TRY
         self.on_server = False
-        if self.spec.carries:
-            self.context.waitqueue.note_held(self.spec.channel, self.token)
         return Grant(self.token, fence, at)
 
     def parked(self) -> Waiter:

@@ -42,10 +42,6 @@ CLOSE_BOUND = 1.0
 # reads them through redis-py, as on connections that are not plain sockets (for tests).
 DIRECT_READS = True
 
-# Packed heads (EVALSHA, the SHA, the keys) kept for reuse: a name's calls pack only their
-# arguments. Cleared when full (a client working through more names than this).
-MAX_HEADS = 4096
-
 
 class AutoPipeline:
     """Sends `call()`s in batches on one connection of `pool`, at most `MAX_BATCHES`
@@ -64,7 +60,6 @@ class AutoPipeline:
         self._link: Link | None = None
         self._flushing = False  # a `_flush` is scheduled
         self._closed = False  # `aclose()` was called: no new link is opened
-        self._heads: dict[tuple[str, tuple[bytes, ...]], bytes] = {}
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
     async def call(
@@ -128,8 +123,7 @@ class AutoPipeline:
 
     def _pack(self, connection: AbstractConnection, batch: list[Call]) -> list[bytes]:
         """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
-        the connection's), with each script's and name's head packed once. It is written
-        next: each call's `sent` is told now."""
+        the connection's). It is written next: each call's `sent` is told now."""
         encode = connection.encoder.encode
         parts: list[bytes] = []
         now = time.monotonic()
@@ -140,14 +134,9 @@ class AutoPipeline:
             if call.by_source:
                 parts += connection.pack_command(*command(script, keys, args, by_source=True))
                 continue
-            head = self._heads.get((script.sha, keys))
-            if head is None:
-                if len(self._heads) >= MAX_HEADS:
-                    self._heads.clear()
-                words = [b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *map(encode, keys)]
-                head = self._heads[script.sha, keys] = b"".join(map(_bulk, words))
-            parts += (b"*%d\r\n" % (3 + len(keys) + len(args)), head)
-            parts += map(_bulk, map(encode, args))
+            words = (b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *keys, *args)
+            parts.append(b"*%d\r\n" % len(words))
+            parts += map(_bulk, map(encode, words))
         return parts
 
     async def _drain(self, link: Link, writer: asyncio.StreamWriter) -> None:

@@ -33,7 +33,6 @@ def detach(lock: LockCore) -> LockHandle:
     lock._uncap(holding)
     context = context_for(lock._client)
     lock._stop_renewal(context, holding)
-    context.waitqueue.note_released(lock._spec.channel, holding.token)  # no release here
     _telemetry.on_release(lock._spec, holding.token)  # it ends here, as far as we know
     return LockHandle(lock._handle_kind, lock._name, holding.token, holding.fence, lock._prefix)
 

@@ -165,11 +165,20 @@ class LeasedLock(LockCore):
             # Waited for no longer than the lease is known valid: past that, whether it
             # was released or lost cannot be told, and the report must not wait.
             valid_until = None if holding.lease is None else holding.lease.valid_until
-            if self._local_handoff:
-                cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
-                answer = await cohort.release(self, holding, valid_until)
-            else:
-                answer = await self._release_surely(context, holding)
+            try:
+                if self._local_handoff:
+                    cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
+                    answer = await cohort.release(self, holding, valid_until)
+                else:
+                    answer = await self._release_surely(context, holding)
+            except asyncio.CancelledError:
+                # The keeper reports no loss of a lease being released: a release cancelled
+                # after its validity ended records the loss itself (else none would).
+                if holding.lease is not None and holding.lease.remaining <= 0:
+                    self._lost_at_release(
+                        holding, "its validity ended before its release (cancelled) was answered"
+                    )
+                raise
             if isinstance(answer, _awaiting.Unanswered):
                 raise self._lost_at_release(
                     holding,

@@ -20,7 +20,7 @@ import anyio
 
 from . import _awaiting, _release, _spec, _telemetry, _withdraw
 from ._clients import AnyRedis, ensure_async_client
-from ._context import ClientContext, open_context
+from ._context import ClientContext
 from ._errors import LockLost, LockNotOwned
 from ._holding import Holding, current_task
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
@@ -107,10 +107,6 @@ class LockCore:
         """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
         side of a read-write lock); none by default."""
         return None
-
-    def _held_channels(self) -> tuple[bytes, ...]:
-        """The channels its holdings are noted under as local holders (carrying)."""
-        return (self._spec.channel,)
 
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _spec.Grant) -> None:
         """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
@@ -222,12 +218,6 @@ class LockCore:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
-        # No longer a local holder whose release would carry later waiters of its name
-        # (its release, if any, carries nobody): they must not wait for it.
-        context = open_context(self._client)
-        if context is not None:
-            for channel in self._held_channels():
-                context.waitqueue.note_released(channel, holding.token)
         holding.lost_reason = reason
         _telemetry.on_lease_lost(self._spec, holding.token)
         holding.lost.set()

@@ -14,7 +14,7 @@ import enum
 import time
 from collections.abc import Iterator
 
-__all__ = ["Carry", "Lot", "Waiter", "Wake"]
+__all__ = ["Lot", "Waiter", "Wake"]
 
 
 class Wake(enum.Enum):
@@ -24,16 +24,7 @@ class Wake(enum.Enum):
     RECHECK = "recheck"  # the server state may have changed: re-run acquire
     TIMER = "timer"  # the lot's safety-net timer (the holder's lease may have ended)
     DEADLINE = "deadline"  # the caller's timeout ran out
-    UNTIL = "until"  # the sleep's own bound ran out (a back-off, a wait to be carried)
-
-
-class Carry(enum.Enum):
-    """Where a waiter stands with being carried by a local holder's release (see
-    `WaitQueue.defer`)."""
-
-    NONE = 0  # it makes its own calls
-    WAITING = 1  # waiting for a local holder's release to take it along
-    TAKEN = 2  # a release call that carries it was sent: the server may know it
+    UNTIL = "until"  # the sleep's own bound ran out (a back-off)
 
 
 class Waiter:
@@ -43,8 +34,6 @@ class Waiter:
         "_deadline_timer",
         "_future",
         "_recheck",
-        "_until_timer",
-        "carry",
         "deadline",
         "fence",
         "floor",
@@ -75,12 +64,9 @@ class Waiter:
         self.queued_at = 0.0
         self.granted_at = 0.0
         self._recheck = False
-        self.carry = Carry.NONE
         self._future: asyncio.Future[Wake] | None = None
-        # One deadline timer for the whole acquisition (armed by its first sleep), and the
-        # current sleep's own bound, if any.
+        # One deadline timer for the whole acquisition (armed by its first sleep).
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._until_timer: asyncio.TimerHandle | None = None
 
     def still_queued(self, sent_at: float) -> None:
         """A call sent at `sent_at` found this waiter not yet granted."""
@@ -117,15 +103,6 @@ class Waiter:
         self._recheck = True
         self._wake(Wake.RECHECK)
 
-    def taken(self) -> None:
-        """A release call that carries it is about to be sent: its answer (a grant, or a
-        re-check if the reply is lost) is what it waits for now, not the end of the wait to
-        be carried."""
-        self.carry = Carry.TAKEN
-        if self._until_timer is not None:
-            self._until_timer.cancel()
-            self._until_timer = None
-
     def _wake(self, reason: Wake) -> None:
         if self._future is not None and not self._future.done():
             self._future.set_result(reason)
@@ -161,17 +138,17 @@ class Waiter:
                 self._deadline_timer = loop.call_at(
                     loop.time() + (deadline - now), self._wake, Wake.DEADLINE
                 )
+            until_timer = None
             if until is not None:
-                self._until_timer = loop.call_at(
+                until_timer = loop.call_at(
                     loop.time() + (until - now), _resolve, future, Wake.UNTIL
                 )
             try:
                 reason = await future
             finally:
                 self._future = None
-                if self._until_timer is not None:
-                    self._until_timer.cancel()
-                    self._until_timer = None
+                if until_timer is not None:
+                    until_timer.cancel()
             if reason in (Wake.GRANTED, Wake.RECHECK):
                 continue  # the flags decide
             if deadline is not None and time.monotonic() >= deadline:
@@ -188,13 +165,11 @@ class Lot:
     """The waiters of one channel in this process, in arrival order, and their one
     safety-net timer at the first lease end in the way."""
 
-    __slots__ = ("_timer", "_timer_at", "_waiters", "carries", "channel", "lease_end", "shared")
+    __slots__ = ("_timer", "_timer_at", "_waiters", "channel", "lease_end", "shared")
 
-    def __init__(self, channel: bytes, shared: bool = False, carries: bool = False) -> None:
+    def __init__(self, channel: bytes, shared: bool = False) -> None:
         self.channel = channel
         self._waiters: dict[str, Waiter] = {}
-        # Its primitive's release can queue this client's later arrivals (`WaitQueue.defer`).
-        self.carries = carries
         # When the first lease in the way ends, as far as we know (monotonic).
         self.lease_end: float | None = None
         # Several holders at once (a semaphore, a read-write lock): a grant adds a lease

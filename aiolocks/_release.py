@@ -14,41 +14,26 @@ from typing import Any
 from . import _telemetry
 from ._context import ClientContext
 from ._scripts import Script
-from ._spec import BUSY, LOST_REPLY, Spec
+from ._spec import LOST_REPLY, Spec
 
 __all__ = ["granting", "release", "release_reply", "wake_granted"]
 
 
-async def release(
-    context: ClientContext, spec: Spec, token: str, ttl_ms: int, *, carry: bool = False
-) -> bool | None:
+async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
     """Run the release script for `token`; True if it held the primitive, False if not.
 
     A call cut off by a connection error is run once more; if that one finds the token not
     holding, the answer is None: the first call may have released it (its reply was lost)
     or the lease may have been lost, and only the caller's lease can tell which.
     When the script hands the primitive to a waiter of this same client, that waiter is
-    woken here rather than by the pub/sub round trip. `carry` (a holder's release of a
-    carrying primitive): the call also queues the local waiters deferred behind it.
+    woken here rather than by the pub/sub round trip.
     """
-    carried = context.waitqueue.take_deferred(spec.channel) if carry and spec.carries else ()
-    extra = ("carry", *(waiter.member for waiter in carried)) if carried else ()
     sent_at = time.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
-    reply, unsure = await release_reply(context, spec, token, ttl_ms, *extra, sent=written.append)
-    sent_at = written[0] if written else sent_at
-    wake_granted(context, spec, reply, 1, sent_at)
-    status = int(reply[0])
-    for waiter in carried:
-        if waiter.fence is None:
-            waiter.still_queued(sent_at)  # queued by this release: it sleeps on, unwoken
-            if status == BUSY:  # behind another holder (the releaser had lost it)
-                pttl = int(reply[1])
-                waiter.lot.note_lease(pttl if pttl >= 0 else waiter.ttl_ms)
-    if status == BUSY:
-        reply = reply[:1]  # no grants, only that holder's lease
-    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)  # a carried grant is one too
-    held = status == 1
+    reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
+    wake_granted(context, spec, reply, 1, written[0] if written else sent_at)
+    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
+    held = int(reply[0]) == 1
     return None if unsure and not held else held
 
 
@@ -64,19 +49,12 @@ async def release_reply(
     once more after a connection error; returns its reply, and whether a first call was cut
     off (it may have done the work, and the reply is then the retry's). `sent`: as for
     `ClientContext.run`.
-
-    The retry carries nobody: the carried waiters were told to re-check when the first
-    reply was lost (`granting`), and queue or find their grant themselves. Carried again,
-    one that the first call granted and that has since released would be granted anew.
     """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
-    context.waitqueue.note_released(spec.channel, token)
     try:
         return await granting(context, spec, spec.release, args, sent=sent), False
     except LOST_REPLY:
-        if extra[:1] == ("carry",):
-            args = (member, spec.channel, *spec.args)
         return await granting(context, spec, spec.release, args, sent=sent), True
 
 

@@ -14,8 +14,7 @@ Script conventions (see `_scripts/*.lua`):
   refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
   whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
-  with every grant it made ({-1, pttl} for a mutex release with 'carry' that did not hold
-  it and queued the carried members behind another holder: that lease's end).
+  with every grant it made.
 - renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
   ARGV = token, ttl_ms; returns 1 while still held.
 - heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
@@ -97,10 +96,6 @@ class Spec:
     # Builds the error for a REFUSED reply (given the stored value); primitives that store
     # configuration set it.
     refused: Callable[[int], Exception] | None = None
-    # Its release script can queue this client's later arrivals (`WaitQueue.defer`): a task
-    # that asks while another task of the client holds it waits for that holder's release
-    # to queue it, instead of a call of its own (up to `_acquire.CARRY_WAIT`).
-    carries: bool = False
     # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
     counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)
 

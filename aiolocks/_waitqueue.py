@@ -2,8 +2,7 @@
 
 One queue serves every primitive of the client: `park` a waiter, deliver a grant to it by
 token (`unpark`), tell a channel's waiters to re-check. It also remembers the tokens of
-acquisitions that left while a grant may still come (`depart`), and, for carrying
-primitives, which local holder's release may take a new waiter along (`defer`).
+acquisitions that left while a grant may still come (`depart`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from ._lot import Carry, Lot, Waiter
+from ._lot import Lot, Waiter
 
 __all__ = ["WaitQueue"]
 
@@ -21,16 +20,11 @@ __all__ = ["WaitQueue"]
 class WaitQueue:
     """All lots of one client: park / unpark(token) / recheck_first / recheck_all / remove."""
 
-    __slots__ = ("_by_token", "_deferred", "_departed", "_held", "_lots", "tag")
+    __slots__ = ("_by_token", "_departed", "_lots", "tag")
 
     def __init__(self) -> None:
         self._lots: dict[bytes, Lot] = {}
         self._by_token: dict[str, Waiter] = {}
-        # Per channel of a carrying primitive (a mutex): the tokens this client was granted
-        # and has not begun to release, and the waiters that wait for such a holder's
-        # release to queue them (see `defer`).
-        self._held: dict[bytes, set[str]] = {}
-        self._deferred: dict[bytes, dict[str, Waiter]] = {}
         # Tokens of acquisitions that left with the server maybe holding state for them
         # (cancelled, timed out): token -> (until when a grant may still come, what hands
         # such a grant on). See `depart`.
@@ -52,14 +46,13 @@ class WaitQueue:
         ttl_ms: int,
         kind: str,
         shared: bool = False,
-        carries: bool = False,
         deadline: float | None = None,
     ) -> Waiter:
         """A waiter for `token`, last in its channel's lot; `deadline` (monotonic) is the
         caller's, for the whole acquisition."""
         lot = self._lots.get(channel)
         if lot is None:
-            lot = self._lots[channel] = Lot(channel, shared, carries)
+            lot = self._lots[channel] = Lot(channel, shared)
         waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind), deadline)
         lot.add(waiter)
         self._by_token[token] = waiter
@@ -71,7 +64,6 @@ class WaitQueue:
         if not lot.discard(waiter):
             return
         self._by_token.pop(waiter.token, None)
-        self.undefer(waiter)
         waiter.stop()
         if not lot:
             lot.emptied()
@@ -97,17 +89,15 @@ class WaitQueue:
             return False
         if waiter.stale(fence):
             return True
-        if waiter.lot.carries:
-            self.note_held(waiter.lot.channel, token)
         waiter.grant(fence, after)
         return True
 
     def depart(self, token: str, within: float, hand_on: Callable[[], object]) -> None:
         """An acquisition of `token` left while the server may still hold state for it; its
         clean-up is on its way. That clean-up may overtake a call that grants or queues the
-        token (on another connection: a carrying release, without auto-pipelining or on
-        Cluster), so a grant read for `token` in the next `within` seconds calls `hand_on`
-        (which releases it) instead of being ignored for a whole lease."""
+        token (on another connection: without auto-pipelining or on Cluster), so a grant
+        read for `token` in the next `within` seconds calls `hand_on` (which releases it)
+        instead of being ignored for a whole lease."""
         now = time.monotonic()
         departed = self._departed
         # Oldest first (near enough: a longer ttl just stays a little longer); no copy of
@@ -115,50 +105,6 @@ class WaitQueue:
         while departed and next(iter(departed.values()))[0] <= now:
             departed.popitem(last=False)
         departed[token] = (now + within, hand_on)
-
-    # Carrying: a task that asks for a mutex while another task of this client holds it
-    # waits (briefly) for that holder's release to queue it in the same script call, which
-    # saves a round trip per contended acquisition (see docs/architecture.md).
-
-    def note_held(self, channel: bytes, token: str) -> None:
-        """`token` of this client was granted the (carrying) primitive of `channel`."""
-        self._held.setdefault(channel, set()).add(token)
-
-    def note_released(self, channel: bytes, token: str) -> None:
-        """`token`'s holding ends here (its release begins, or it was detached)."""
-        held = self._held.get(channel)
-        if held is not None:
-            held.discard(token)
-            if not held:
-                del self._held[channel]
-
-    def defer(self, waiter: Waiter) -> bool:
-        """Let `waiter` wait for a local holder's release to carry it, if a local holder of
-        its channel exists; False (nothing changed) otherwise."""
-        channel = waiter.lot.channel
-        if not waiter.lot.carries or channel not in self._held:
-            return False
-        self._deferred.setdefault(channel, {})[waiter.token] = waiter
-        waiter.carry = Carry.WAITING
-        return True
-
-    def take_deferred(self, channel: bytes) -> list[Waiter]:
-        """The waiters a release of `channel` about to be sent carries, in arrival order."""
-        taken = list(self._deferred.pop(channel, {}).values())
-        for waiter in taken:
-            waiter.taken()
-        return taken
-
-    def undefer(self, waiter: Waiter) -> None:
-        """Stop waiting to be carried (nothing changes once a release has taken it)."""
-        if waiter.carry is not Carry.WAITING:
-            return
-        deferred = self._deferred.get(waiter.lot.channel)
-        if deferred is not None:
-            deferred.pop(waiter.token, None)
-            if not deferred:
-                del self._deferred[waiter.lot.channel]
-        waiter.carry = Carry.NONE
 
     def lot(self, channel: bytes) -> Lot | None:
         return self._lots.get(channel)

@@ -165,7 +165,7 @@ async def release_surely(
     re-raised.
     """
     try:
-        return await release(context, spec, token, ttl_ms, carry=True)
+        return await release(context, spec, token, ttl_ms)
     except asyncio.CancelledError:
         await withdraw(context, spec, token, ttl_ms, until)
         raise
@@ -198,7 +198,7 @@ async def release_until(
     try:
         # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
         await context.releases.enter()
-        first = release(context, spec, token, ttl_ms, carry=True) if call is None else call()
+        first = release(context, spec, token, ttl_ms) if call is None else call()
         async with asyncio.timeout(None) as scope:
             try:
                 bound = _ValidityBound(scope, until, lease)

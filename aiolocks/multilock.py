@@ -279,9 +279,6 @@ class RedisMultiLock(LeasedLock):
         elif not taken.holding.lost.is_set():
             self._lease_lost(taken.holding, reason)
 
-    def _held_channels(self) -> tuple[bytes, ...]:
-        return tuple(spec.channel for spec in self._specs)
-
     def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
         taken = self._taken.get(holding.token)
         for lease in () if taken is None else taken.leases:

@@ -53,7 +53,6 @@ def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spe
         release=_RELEASE,
         renew=_RENEW,
         renew_keys=(owner, fence),
-        carries=True,
         counters=Counters() if counters is None else counters,
     )
 

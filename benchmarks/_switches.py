@@ -10,14 +10,13 @@ user option that is off by default (`local_handoff`) is turned on.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolocks import _autopipe, _confirm, _keeper, _renewal, _spec, _subscriptions, mutex, registry
+from aiolocks import _autopipe, _confirm, _keeper, _renewal, _subscriptions, mutex, registry
 
 ENV = "AIOLOCKS_BENCH_FLIP"
 # The local_handoff a "cohorts" run gives every RedisMutex made without one.
@@ -48,16 +47,6 @@ def _set(module: Any, attribute: str, value: object) -> Callable[[], None]:
 
 def _no_autopipelining() -> None:
     os.environ["AIOLOCKS_AUTOPIPELINE"] = "0"  # read when a client's context is made
-
-
-def _no_carrying() -> None:
-    make_spec = mutex.RedisMutex._make_spec
-
-    @functools.wraps(make_spec)
-    def without_carrying(self: mutex.RedisMutex) -> _spec.Spec:
-        return dataclasses.replace(make_spec(self), carries=False)
-
-    mutex.RedisMutex._make_spec = without_carrying  # type: ignore[method-assign]
 
 
 def _cohorts() -> None:
@@ -94,16 +83,6 @@ SWITCHES: dict[str, Switch] = {
         "the auto-pipeline's replies parsed in the transport's callback, no reader task",
         "aiolocks._autopipe.DIRECT_READS = False",
         _set(_autopipe, "DIRECT_READS", False),
-    ),
-    "head_caching": Switch(
-        "the auto-pipeline packs each script and name's EVALSHA head once and keeps it",
-        "aiolocks._autopipe.MAX_HEADS = 0 (the cache is cleared before every call)",
-        _set(_autopipe, "MAX_HEADS", 0),
-    ),
-    "carrying": Switch(
-        "a mutex's release queues the later arrivals of its own process in the same call",
-        "aiolocks.mutex.RedisMutex._make_spec -> dataclasses.replace(spec, carries=False)",
-        _no_carrying,
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",

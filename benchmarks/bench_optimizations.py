@@ -1,7 +1,7 @@
 """What each optimization buys: aiolocks with and without it, in one run, same server.
 
     python benchmarks/bench_optimizations.py [--url URL] [--quick] [--rounds N]
-        [--only contended,fastapi] [--switches carrying,cohorts] [--json PATH]
+        [--only contended,fastapi] [--switches direct_reads,cohorts] [--json PATH]
 
 Every run is a fresh process (or 4, or uvicorn with 2 workers) that flips at most one
 switch of `_switches.py` at start-up (`AIOLOCKS_BENCH_FLIP`): none is aiolocks as shipped
@@ -69,10 +69,8 @@ SHIPPED = "shipped"  # the mode with no switch flipped
 ENGINE = (
     "autopipelining",
     "direct_reads",
-    "head_caching",
     "subscription_linger",
     "late_grant",
-    "carrying",
     "cohorts",
 )
 
@@ -147,17 +145,6 @@ VERDICTS: dict[str, tuple[str, str]] = {
     "direct_reads": (
         "kept",
         "one task's cycle: 1.16x throughput, 1.26x less CPU (7 rounds); within noise elsewhere",
-    ),
-    "head_caching": (
-        "removal recommended",
-        "no gain beyond noise anywhere: 0.97x / 0.98x CPU for one task (7 rounds), 0.94x / "
-        "0.96x CPU on one name (5 rounds)",
-    ),
-    "carrying": (
-        "removal recommended",
-        "no clear gain: half the script calls of a contended acquisition and 8-10% less "
-        "client CPU in 1 and 4 processes, but throughput within noise, and 0.69x / 0.84x "
-        "in the FastAPI app (two runs)",
     ),
     "subscription_linger": (
         "kept, to be confirmed",

@@ -8,13 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis.asyncio
 
 from aiolocks._clients import AnyRedis
 from aiolocks._context import ClientContext, context_for
-from aiolocks._lot import Waiter
-from aiolocks._waitqueue import WaitQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued
@@ -90,29 +87,3 @@ class Renewals:
                 await self.changed.wait()
 
         await asyncio.wait_for(wait(), timeout)
-
-
-class Deferrals:
-    """Counts the waiters of this process that began to wait to be carried."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        self._grew = asyncio.Event()
-        original = WaitQueue.defer
-
-        def defer(queue: WaitQueue, waiter: Waiter) -> bool:
-            deferred = original(queue, waiter)
-            if deferred:
-                self.count += 1
-                self._grew.set()
-            return deferred
-
-        monkeypatch.setattr(WaitQueue, "defer", defer)
-
-    async def wait(self, count: int, timeout: float = 10.0) -> None:
-        async def grown() -> None:
-            while self.count < count:
-                self._grew.clear()
-                await self._grew.wait()
-
-        await asyncio.wait_for(grown(), timeout)

@@ -4,8 +4,8 @@ A waiter's task runs when there is something for it to do: its grant, a re-check
 deadline, or (the head of its lot only) the safety-net timer at the first lease end in the
 way. Shown here: a promotion to head wakes nobody, and neither does a lease end that was
 learned to be later meanwhile; the lot's timer still re-checks for the head only, at the
-lease's real end, when it ends without a message; a waiter carried onto the server's queue
-by a local holder's release is not woken until its grant, and its timeout still holds.
+lease's real end, when it ends without a message; a waiter queued behind a local holder is
+not woken by that holder's release (which grants another), and its timeout still holds.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import redis.asyncio
 from _faults import close_client
-from _probes import Deferrals, QueueProbe
+from _probes import QueueProbe
 from _servers import ServerProcess
 from conftest import VARIANTS, ServerPool
 
-from aiolocks import RedisMutex, _acquire
+from aiolocks import RedisMutex
 from aiolocks._context import context_for
-from aiolocks._lot import Carry, Waiter, Wake
+from aiolocks._lot import Waiter, Wake
 from aiolocks._scripts import Script
 from aiolocks._spec import Spec
 
@@ -216,91 +216,83 @@ async def test_only_the_head_rechecks_at_a_silent_lease_end(pair: Any) -> None:
     await free(third.mutex)
 
 
-@pytest.fixture
-def patient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Waiters wait to be carried for 10 s: the tests decide when the holder releases."""
-    monkeypatch.setattr(_acquire, "CARRY_WAIT", 10.0)
-
-
 @dataclass
-class Carried:
+class Behind:
     mutex: RedisMutex  # the local waiter's
     task: asyncio.Task[bool]
     waiter: Waiter
-    future: asyncio.Future[Wake]  # what it slept on when the carrying release was sent
+    future: asyncio.Future[Wake]  # what it slept on when the local holder released
     remote: RedisMutex  # held, by the waiter of another client the release granted
     calls: AcquireCalls  # of the local client, from before the waiter asked
     asked: float  # when the local waiter's acquire began (monotonic)
 
 
-async def carried_behind(
-    clients: list[redis.asyncio.Redis], name: str, monkeypatch: pytest.MonkeyPatch, timeout: float
-) -> Carried:
-    """A local waiter (`timeout`) carried onto the queue by its holder's release, behind a
-    waiter of another client that the release granted."""
+async def queued_behind(clients: list[redis.asyncio.Redis], name: str, timeout: float) -> Behind:
+    """A local waiter (`timeout`) queued on the server behind a waiter of another client,
+    while a task of its own client holds the mutex; that holder's release grants the other
+    client's waiter."""
     here, there = clients
-    deferrals = Deferrals(monkeypatch)
     holder, local, remote = (RedisMutex(client, name, ttl=30) for client in (here, here, there))
     assert await holder.acquire()
     remote_probe = QueueProbe(there)
     remote_waiting = asyncio.create_task(remote.acquire(timeout=20))
     await remote_probe.wait_queued(1)
+    probe = QueueProbe(here)
     calls = AcquireCalls(here, local._spec)
     asked = time.monotonic()
     waiting = asyncio.create_task(local.acquire(timeout=timeout))
-    await deferrals.wait(1)
-    lot = context_for(here).waitqueue.lot(local._spec.channel)
-    assert lot is not None
-    (waiter,) = lot
+    await probe.wait_queued(1)
+    waiter = context_for(here).waitqueue._by_token[probe.queued[-1]]
     future = untouched(waiter)
-    await holder.release()  # grants the remote waiter, queues the local one
-    assert waiter.carry is Carry.TAKEN and waiter.fence is None
+    await holder.release()  # grants the remote waiter; the local one stays queued
+    assert waiter.fence is None
     assert await asyncio.wait_for(remote_waiting, 5)
     assert (await remote.inspect()).queue_length == 1
-    return Carried(local, waiting, waiter, future, remote, calls, asked)
+    return Behind(local, waiting, waiter, future, remote, calls, asked)
 
 
-async def test_a_carried_waiter_is_not_woken_until_its_grant(
-    clients: list[redis.asyncio.Redis], monkeypatch: pytest.MonkeyPatch, patient: None
+async def test_a_waiter_behind_a_local_holder_is_not_woken_until_its_grant(
+    clients: list[redis.asyncio.Redis],
 ) -> None:
-    carried = await carried_behind(clients, "wakes:carried", monkeypatch, 20)
-    assert untouched(carried.waiter) is carried.future  # before: woken to sleep again
-    await carried.remote.release()  # grants the carried waiter, by message
-    assert await asyncio.wait_for(carried.task, 5)
-    assert carried.future.result() is Wake.GRANTED  # the one wake of its task
-    assert carried.calls.made == []  # it made no acquire call at all
-    await carried.mutex.release()
-    await free(carried.mutex)
+    behind = await queued_behind(clients, "wakes:behind", 20)
+    assert untouched(behind.waiter) is behind.future  # not woken by another's grant
+    await behind.remote.release()  # grants the local waiter, by message
+    assert await asyncio.wait_for(behind.task, 5)
+    assert behind.future.result() is Wake.GRANTED  # the one wake of its task
+    assert [call.status for call in behind.calls.made] == [0]  # its one call queued it
+    await behind.mutex.release()
+    await free(behind.mutex)
 
 
-async def test_a_carried_waiter_times_out_on_time_and_leaves_nothing(
-    clients: list[redis.asyncio.Redis], monkeypatch: pytest.MonkeyPatch, patient: None
+async def test_a_waiter_behind_a_local_holder_times_out_on_time_and_leaves_nothing(
+    clients: list[redis.asyncio.Redis],
 ) -> None:
-    carried = await carried_behind(clients, "wakes:carried-timeout", monkeypatch, 1.0)
-    assert untouched(carried.waiter) is carried.future
-    assert await asyncio.wait_for(carried.task, 5) is False
-    assert carried.future.result() is Wake.DEADLINE
-    assert 1.0 <= time.monotonic() - carried.asked < 1.0 + TIMER_BOUND
-    assert carried.calls.made == []
-    info = await carried.remote.inspect()
+    behind = await queued_behind(clients, "wakes:behind-timeout", 1.0)
+    assert untouched(behind.waiter) is behind.future
+    assert await asyncio.wait_for(behind.task, 5) is False
+    assert behind.future.result() is Wake.DEADLINE
+    assert 1.0 <= time.monotonic() - behind.asked < 1.0 + TIMER_BOUND
+    assert [call.status for call in behind.calls.made] == [0]
+    info = await behind.remote.inspect()
     assert info.owner is not None and info.queue_length == 0  # withdrawn from the queue
-    await carried.remote.release()
-    await free(carried.remote)
+    await behind.remote.release()
+    await free(behind.remote)
 
 
-async def test_a_carried_waiter_told_to_recheck_calls_once(
-    clients: list[redis.asyncio.Redis], monkeypatch: pytest.MonkeyPatch, patient: None
+async def test_a_waiter_behind_a_local_holder_told_to_recheck_calls_once(
+    clients: list[redis.asyncio.Redis],
 ) -> None:
-    """A re-check (a reconnect, a lost reply) after it was carried: one call, which finds it
+    """A re-check (a reconnect, a lost reply) while it waits: one call, which finds it
     queued, and it sleeps on until its grant."""
-    carried = await carried_behind(clients, "wakes:carried-recheck", monkeypatch, 20)
-    context_for(clients[0]).waitqueue.recheck_all(carried.mutex._spec.channel)
-    assert carried.future.result() is Wake.RECHECK
-    await asyncio.wait_for(carried.calls.answered.wait(), 5)
-    assert [call.status for call in carried.calls.made] == [0]  # queued already
-    assert not carried.task.done()
-    await carried.remote.release()
-    assert await asyncio.wait_for(carried.task, 5)
-    assert [call.status for call in carried.calls.made] == [0]
-    await carried.mutex.release()
-    await free(carried.mutex)
+    behind = await queued_behind(clients, "wakes:behind-recheck", 20)
+    behind.calls.answered.clear()
+    context_for(clients[0]).waitqueue.recheck_all(behind.mutex._spec.channel)
+    assert behind.future.result() is Wake.RECHECK
+    await asyncio.wait_for(behind.calls.answered.wait(), 5)
+    assert [call.status for call in behind.calls.made] == [0, 0]  # queued already
+    assert not behind.task.done()
+    await behind.remote.release()
+    assert await asyncio.wait_for(behind.task, 5)
+    assert [call.status for call in behind.calls.made] == [0, 0]
+    await behind.mutex.release()
+    await free(behind.mutex)

@@ -169,10 +169,11 @@ async def late_grant_message(scene: Scene) -> None:
 
 
 @scenario
-async def carried_waiter_without_timer(scene: Scene) -> None:
-    """Bug 2: a waiter carried by a release that no longer held the lock (its owner key was
-    taken over) is queued without a wake-up timer: with keyspace events off, after the real
-    holder crashes it waits its whole timeout while the lock is free."""
+async def waiter_behind_a_taken_over_holder(scene: Scene) -> None:
+    """A holder's owner key is taken over, and a waiter of the same client queues behind
+    the new holder, who crashes; with keyspace events off the waiter must still get the
+    lock when that lease ends, not at its own timeout. (Issue 24's bug 2, in carrying, which
+    is gone: a carried waiter queued this way had no wake-up timer.)"""
     a, b = scene.proc("A"), scene.proc("B")
     clients = scene.world.clients
     lock_a = RedisMutex(clients[a], "m", ttl=2.0)
@@ -180,7 +181,7 @@ async def carried_waiter_without_timer(scene: Scene) -> None:
 
     async def first() -> None:
         # A1 waits for B's short holding: A's client subscribes to the name (so A2, later,
-        # waits to be carried instead of queueing itself).
+        # parks before its first call).
         hold = await scene.acquire(a, lock_a, "A1", timeout=5)
         assert hold is not None
         await asyncio.sleep(0.1)
@@ -191,7 +192,7 @@ async def carried_waiter_without_timer(scene: Scene) -> None:
         scene.start(b, other(), "B2")
         await asyncio.sleep(0.1)
         scene.start(a, second(), "A2")
-        await asyncio.sleep(0.0005)  # A2 waits to be carried by A1's release
+        await asyncio.sleep(0.0005)  # A2 queues behind B2
         await scene.release(a, lock_a, hold, "A1")
 
     async def short() -> None:
@@ -215,10 +216,11 @@ async def carried_waiter_without_timer(scene: Scene) -> None:
 
 
 @scenario
-async def cancelled_carried_waiter(scene: Scene) -> None:
-    """Bug 3: auto-pipelining off, a carried waiter is cancelled; its clean-up reaches the
-    server before the carrying release (another connection), the release then grants the
-    departed waiter, which owns the lock for a whole ttl while another client waits."""
+async def cancelled_waiter_behind_a_slow_release(scene: Scene) -> None:
+    """Auto-pipelining off: a waiter is cancelled while its own client's holder releases on
+    a slow connection, and its clean-up takes another one; nobody may own the lock for a
+    ttl while another client waits. (Issue 24's bug 3, in carrying, which is gone: the
+    release granted the departed waiter after its clean-up.)"""
     a, b = scene.proc("A", autopipe=False), scene.proc("B")
     clients = scene.world.clients
     lock_a = RedisMutex(clients[a], "m", ttl=5.0)
@@ -227,11 +229,11 @@ async def cancelled_carried_waiter(scene: Scene) -> None:
 
     async def first() -> None:
         # A1 waits for B's short holding: A's client subscribes to the name (so A2, later,
-        # waits to be carried instead of queueing itself).
+        # parks before its first call).
         hold = await scene.acquire(a, lock_a, "A1", timeout=5)
         assert hold is not None
         waiter = scene.start(a, second(), "A2")
-        await asyncio.sleep(0.0005)  # A2 waits to be carried by A1's release
+        await asyncio.sleep(0.0005)  # A2 parks
         # The release goes on a pooled connection, which turns slow; A2 is cancelled
         # meanwhile, and its clean-up takes another connection, which is not.
         for conn in net.conns:
