@@ -1,7 +1,7 @@
 """A server restart (stop, a short outage, start on the same port, empty: no persistence)
 while a holder holds and waiters wait, on a private server from `server_factory`.
 
-A non-persistent restart loses every lease and every fence counter (docs/architecture.md,
+A non-persistent restart loses every lease and every fence counter (docs/security.md,
 "Server restarts"). What the library owes is to say so rather than hang: the holder's body
 is cancelled and `LockLost` raised; each waiter either recovers (acquires on the restarted
 server) or gets `ServerUnavailable`, within a bound. The tests also measure how long the
