@@ -81,7 +81,7 @@ DECISION = (
     "100 names, the 10,000-waiter burst) and cost nothing measurable elsewhere, and the "
     "burst holds 2 connections instead of 65. Lowering the in-flight bound alone (off-8) "
     "cut the connections but lost throughput. RedisCluster clients keep the per-command "
-    "path. See docs/architecture.md, 'Auto-pipelining'."
+    "path. See docs/benchmarks.md, 'Auto-pipelining'."
 )
 
 # workload -> (processes, description)
