@@ -174,7 +174,8 @@ class LeasedLock(LockCore):
             except asyncio.CancelledError:
                 # The keeper reports no loss of a lease being released: a release cancelled
                 # after its validity ended records the loss itself (else none would).
-                if holding.lease is not None and holding.lease.remaining <= 0:
+                lease = holding.lease
+                if lease is not None and lease.remaining <= 0 and not holding.lost.is_set():
                     self._lost_at_release(
                         holding, "its validity ended before its release (cancelled) was answered"
                     )
