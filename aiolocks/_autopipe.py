@@ -122,21 +122,15 @@ class AutoPipeline:
                 return
 
     def _pack(self, connection: AbstractConnection, batch: list[Call]) -> list[bytes]:
-        """`batch` as RESP, the bytes redis-py's `pack_command` would make (its encoder,
-        the connection's). It is written next: each call's `sent` is told now."""
-        encode = connection.encoder.encode
+        """`batch` as RESP, packed by the connection (as redis-py would send each call).
+        It is written next: each call's `sent` is told now."""
         parts: list[bytes] = []
         now = time.monotonic()
         for call in batch:
             if call.sent is not None:
                 call.sent(now)
             script, keys, args = call.staged
-            if call.by_source:
-                parts += connection.pack_command(*command(script, keys, args, by_source=True))
-                continue
-            words = (b"EVALSHA", script.sha.encode(), b"%d" % len(keys), *keys, *args)
-            parts.append(b"*%d\r\n" % len(words))
-            parts += map(_bulk, map(encode, words))
+            parts += connection.pack_command(*command(script, keys, args, by_source=call.by_source))
         return parts
 
     async def _drain(self, link: Link, writer: asyncio.StreamWriter) -> None:
@@ -274,11 +268,6 @@ class AutoPipeline:
             for task in late:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _bulk(value: bytes | memoryview) -> bytes:
-    """One RESP bulk string."""
-    return b"$%d\r\n%b\r\n" % (len(value), bytes(value))
 
 
 def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:

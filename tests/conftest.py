@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cluster import Cluster
 from _faultreport import pytest_terminal_summary as pytest_terminal_summary
 from _faults import close_client
-from _probes import QueueProbe
+from _probes import QueueProbe, Renewals
 from _proxy import Proxy
 from _sentinel import SentinelGroup
 from _servers import KINDS, ServerKind, ServerProcess, binary_path
@@ -355,6 +355,31 @@ async def spawn() -> AsyncIterator[Spawn]:
     at teardown."""
     async with spawner() as start:
         yield start
+
+
+@pytest.fixture
+def renewals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Renewals]:
+    """Every renewal batch the lease keeper reports (through the telemetry hook)."""
+    from aiolocks import _telemetry  # not at import: aiolocks.testing is registered first
+
+    counter = Renewals()
+    monkeypatch.setattr(_telemetry, "recorder", counter)
+    yield counter
+
+
+@pytest.fixture
+async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of the keyspace-notifying Valkey after FLUSHALL; its engine and its
+    connections closed afterwards (a test module may define its own `client`)."""
+    from aiolocks._context import context_for
+
+    r = redis.asyncio.Redis.from_url(valkey_notify.url)
+    await r.flushall()
+    try:
+        yield r
+    finally:
+        await context_for(r).aclose()
+        await r.aclose()
 
 
 async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, int]) -> None:

@@ -10,36 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import redis.asyncio
 from _probes import Renewals
-from _servers import ServerProcess
 
-from aiolocks import RedisMutex, _telemetry
+from aiolocks import RedisMutex
 from aiolocks._context import context_for
 from aiolocks._leases import Lease
 from aiolocks._runner import AUTOPIPELINE_ENV
-
-
-@pytest.fixture
-def renewals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Renewals]:
-    counter = Renewals()
-    monkeypatch.setattr(_telemetry, "recorder", counter)
-    yield counter
-
-
-@pytest.fixture
-async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
-    r = redis.asyncio.Redis.from_url(valkey_notify.url)
-    await r.flushall()
-    try:
-        yield r
-    finally:
-        await context_for(r).aclose()
-        await r.aclose()
 
 
 @contextlib.contextmanager

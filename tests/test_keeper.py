@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,31 +14,13 @@ import redis.asyncio
 from _probes import QueueProbe, Renewals
 from _servers import ServerProcess
 
-from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore, _telemetry
+from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore
 from aiolocks._context import context_for
 from aiolocks._leasedlock import LeasedLock
 from aiolocks._leases import Lease
 from aiolocks._renewal import BATCH
 from aiolocks._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
-
-
-@pytest.fixture
-def renewals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Renewals]:
-    counter = Renewals()
-    monkeypatch.setattr(_telemetry, "recorder", counter)
-    yield counter
-
-
-@pytest.fixture
-async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
-    r = redis.asyncio.Redis.from_url(valkey_notify.url)
-    await r.flushall()
-    try:
-        yield r
-    finally:
-        await context_for(r).aclose()
-        await r.aclose()
 
 
 def leases_of(locks: Sequence[LeasedLock]) -> list[Lease]:
