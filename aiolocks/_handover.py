@@ -27,7 +27,7 @@ def detach(lock: LockCore) -> LockHandle:
     `LeasedLock.detach`)."""
     _check_handover(lock)
     holding = lock._find_holding()
-    if holding.lost.is_set():
+    if holding.is_lost:
         raise lock._lost_error(holding)
     del lock._holdings[holding.task]
     lock._uncap(holding)

@@ -17,8 +17,6 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import ParamSpec, Self, TypeVar
 
-import anyio
-
 from . import _acquire, _awaiting, _handover, _spec, _telemetry, _withdraw
 from ._clients import AnyRedis
 from ._cohort import cohort_for, cohort_token
@@ -151,7 +149,7 @@ class LeasedLock(LockCore):
         self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
-        if holding.lost.is_set():
+        if holding.is_lost:
             if not self._local_handoff:
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
@@ -175,7 +173,7 @@ class LeasedLock(LockCore):
                 # The keeper reports no loss of a lease being released: a release cancelled
                 # after its validity ended records the loss itself (else none would).
                 lease = holding.lease
-                if lease is not None and lease.remaining <= 0 and not holding.lost.is_set():
+                if lease is not None and lease.remaining <= 0 and not holding.is_lost:
                     self._lost_at_release(
                         holding, "its validity ended before its release (cancelled) was answered"
                     )
@@ -196,9 +194,8 @@ class LeasedLock(LockCore):
 
     def _lost_at_release(self, holding: Holding, reason: str) -> LockLost:
         """The release found `holding`'s lease lost: recorded, and the error to raise."""
-        holding.lost_reason = reason
+        holding.mark_lost(reason)
         _telemetry.on_lease_lost(self._spec, holding.token)
-        holding.lost.set()
         return self._lost_error(holding)
 
     # -- hand-over to another process --------------------------------------------------
@@ -259,13 +256,10 @@ class LeasedLock(LockCore):
             assert self._timeout is not None
             miss = _last_miss.get()
             raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
-        task = current_task()
-        scope = anyio.CancelScope()
-        scope.__enter__()
-        self._scopes[task] = scope
-        holding = self._holdings[task]
-        if holding.lost.is_set():  # lost before the body even started
-            scope.cancel()
+        holding = self._holdings[current_task()]
+        holding.body = True
+        if holding.is_lost:  # lost before the body even started
+            holding.cancel_body()
         return self
 
     async def __aexit__(
@@ -274,13 +268,9 @@ class LeasedLock(LockCore):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        task = current_task()
-        scope = self._scopes.pop(task, None)
-        if scope is not None:
-            scope.__exit__(exc_type, exc, tb)  # swallows only its own cancellation
-        if task not in self._holdings:
+        if current_task() not in self._holdings:
             return  # released inside the body already
-        try:
+        try:  # (the release takes back a cancellation that a loss made: `end_body`)
             await self.release()
         except LockLost as lost:
             if exc is not None and not isinstance(exc, asyncio.CancelledError):

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import anyio
-
 from . import _awaiting, _release, _spec, _telemetry, _withdraw
 from ._clients import AnyRedis, ensure_async_client
 from ._context import ClientContext
@@ -78,7 +76,6 @@ class LockCore:
             # A cohort's lease outlives each local holding; capping one would end the chain.
             raise ValueError("max_hold cannot be combined with local_handoff")
         self._holdings: dict[asyncio.Task[Any], Holding] = {}
-        self._scopes: dict[asyncio.Task[Any], anyio.CancelScope] = {}
         self._waiting = 0
         self._spec = self._make_spec()
 
@@ -164,6 +161,7 @@ class LockCore:
     def _take_holding(self) -> Holding:
         holding = self._find_holding()
         del self._holdings[holding.task]
+        holding.end_body()  # released inside its `async with` body: no loss cancels it now
         return holding
 
     def _find_holding(self) -> Holding:
@@ -197,7 +195,7 @@ class LockCore:
         itself (or sooner, when the cancelled body releases it)."""
         holding.cap = None
         lease = holding.lease
-        if lease is None or lease.lost or holding.lost.is_set():
+        if lease is None or lease.lost or holding.is_lost:
             return
         self._stop_renewal(context, holding)
         lease.lost = True
@@ -218,12 +216,10 @@ class LockCore:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
-        holding.lost_reason = reason
+        holding.mark_lost(reason)
         _telemetry.on_lease_lost(self._spec, holding.token)
-        holding.lost.set()
-        scope = self._scopes.get(holding.task)
-        if scope is not None and self._holdings.get(holding.task) is holding:
-            scope.cancel()
+        if self._holdings.get(holding.task) is holding:
+            holding.cancel_body()
         if self._on_lost is not None:
             try:
                 self._on_lost(self._lost_error(holding))

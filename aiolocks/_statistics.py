@@ -40,7 +40,7 @@ def snapshot(lock: LockCore) -> LockStatistics:
         held_here=len(lock._holdings),
         tasks_waiting=lock._waiting,
         lease_remaining=None if lease is None or lease.lost else lease.remaining,
-        lost=holding is not None and holding.lost.is_set(),
+        lost=holding is not None and holding.is_lost,
         acquisitions=counters.acquisitions,
         timeouts=counters.timeouts,
         leases_lost=counters.leases_lost,

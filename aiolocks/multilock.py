@@ -276,7 +276,7 @@ class RedisMultiLock(LeasedLock):
         reason = f"{name!r}: {reason}"
         if taken.holding is None:
             taken.lost_reason = taken.lost_reason or reason
-        elif not taken.holding.lost.is_set():
+        elif not taken.holding.is_lost:
             self._lease_lost(taken.holding, reason)
 
     def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:

@@ -100,6 +100,43 @@ async def test_lost_lease_cancels_the_body_and_raises(r: redis.asyncio.Redis, ho
         assert await r.get(mutex._spec.keys[0]) == b"someone-else"  # never touched
 
 
+async def test_a_lost_lease_takes_its_cancellation_back_at_the_exit(
+    r: redis.asyncio.Redis,
+) -> None:
+    """The loss cancels the body through its task; the exit takes that request back (as a
+    cancel scope's exit does), so the task is not left counted as being cancelled."""
+    mutex = RedisMutex(r, "m:lost-uncancel", ttl=0.6)
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    with pytest.raises(LockLost):
+        async with mutex:
+            await r.delete(mutex._spec.keys[0])
+            await asyncio.sleep(10)
+    assert task.cancelling() == 0
+    await asyncio.sleep(0)  # no cancellation left pending either
+
+
+async def test_a_cancellation_of_its_own_outlives_a_lost_lease(r: redis.asyncio.Redis) -> None:
+    """A task cancelled by someone else as its lease is lost stays cancelled: only the
+    loss's own request is taken back."""
+    mutex = RedisMutex(r, "m:lost-and-cancelled", ttl=0.6)
+    inside: asyncio.Future[asyncio.Event] = asyncio.get_running_loop().create_future()
+
+    async def body() -> None:
+        async with mutex:
+            inside.set_result(mutex.lost)
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(body())
+    lost = await asyncio.wait_for(inside, 5)
+    await r.delete(mutex._spec.keys[0])
+    await asyncio.wait_for(lost.wait(), 5)
+    task.cancel()  # while the body is cancelled by the loss, or its exit releases
+    with pytest.raises((LockLost, asyncio.CancelledError)):
+        await task
+    assert task.cancelling() == 1
+
+
 async def test_lost_lease_is_raised_even_if_the_body_finished(r: redis.asyncio.Redis) -> None:
     mutex = RedisMutex(r, "m:lost-finished", ttl=0.6)
     body_done = False

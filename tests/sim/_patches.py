@@ -4,7 +4,6 @@ process, and a record of what the engine believes (lease validity, loss reports)
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sys
 from collections.abc import Callable
@@ -51,17 +50,7 @@ class Recorder:
         self.validity: dict[int, list[tuple[float, float]]] = {}  # id(lease) -> (at, until)
         self.keep: list[Any] = []  # the leases (so ids stay unique for the run)
         self.tokens: dict[str, Any] = {}  # token -> the process that made it
-
-
-class _LostEvent(asyncio.Event):
-    """A holding's `lost` event that remembers when it was set."""
-
-    at: float | None = None
-
-    def set(self) -> None:
-        if self.at is None:
-            self.at = asyncio.get_running_loop().time()
-        super().set()
+        self.lost_at: dict[int, float] = {}  # id(holding) -> when its loss was first recorded
 
 
 def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
@@ -103,16 +92,16 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     slot.recorder = recorder
 
     holding_cls = aiolocks._holding.Holding
-    init: Callable[..., None] = getattr(holding_cls.__init__, "__wrapped_init__", None) or (
-        holding_cls.__init__
+    mark_lost: Callable[..., None] = getattr(holding_cls.mark_lost, "__wrapped_mark__", None) or (
+        holding_cls.mark_lost
     )
 
-    def holding_init(self: Any, lock: Any, task: Any, token: str, fence: int) -> None:
-        init(self, lock, task, token, fence)
-        self.lost = _LostEvent()
+    def recording_mark_lost(self: Any, reason: str) -> None:
+        recorder.lost_at.setdefault(id(self), loop.time())
+        mark_lost(self, reason)
 
-    holding_init.__wrapped_init__ = init  # type: ignore[attr-defined]
-    holding_cls.__init__ = holding_init  # type: ignore[method-assign]
+    recording_mark_lost.__wrapped_mark__ = mark_lost  # type: ignore[attr-defined]
+    holding_cls.mark_lost = recording_mark_lost  # type: ignore[method-assign]
     return recorder
 
 

@@ -260,7 +260,7 @@ class Run:
             if (
                 res.kind in ("mutex", "semaphore")
                 and rng.random() < 0.15
-                and not hold.holding.lost.is_set()
+                and not hold.holding.is_lost
             ):
                 try:
                     handle = lock.detach()

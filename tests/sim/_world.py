@@ -56,9 +56,10 @@ class Hold:
     released_at: float | None = None
     taken_away: float | None = None  # an operator ended it on the server (scenarios)
     end: float = float("inf")
+    lost_times: dict[int, float] = field(default_factory=dict)  # the recorder's, once granted
 
     def lost_at(self) -> float | None:
-        return getattr(self.holding.lost, "at", None)
+        return self.lost_times.get(id(self.holding))
 
 
 @dataclass
@@ -198,6 +199,7 @@ class World:
 
     def granted(self, hold: Hold) -> None:
         """A task's acquire returned True: check it against what others believe now."""
+        hold.lost_times = self.recorder.lost_at
         self.holds.append(hold)
         now = self.loop.time()
         if not self.believed(hold, now):
