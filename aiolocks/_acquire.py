@@ -28,7 +28,7 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -75,7 +75,7 @@ _NOT_YET = Miss(unanswered=False)
 log = logging.getLogger("aiolocks")
 
 
-async def acquire(
+def acquire(
     context: ClientContext,
     spec: Spec,
     token: str,
@@ -84,9 +84,10 @@ async def acquire(
     blocking: bool,
     deadline: float | None,
     respec: Callable[[], Spec] | None = None,
-) -> Grant | Miss:
-    """Acquire `spec` for `token`; a `Miss` when not blocking and busy, or when `deadline`
-    passed (blocking or not: a deadline bounds the whole call, Redis round trips included).
+) -> Coroutine[Any, Any, Grant | Miss]:
+    """Acquire `spec` for `token` (the coroutine that does it, made here); a `Miss` when
+    not blocking and busy, or when `deadline` passed (blocking or not: a deadline bounds
+    the whole call, Redis round trips included).
 
     Cancellation or an error at any point leaves nothing behind in Redis: a shielded,
     bounded clean-up withdraws the token and, if it had been granted, hands the
@@ -96,7 +97,7 @@ async def acquire(
     """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     late = LateGrants(ttl_ms)
-    return await _Acquisition(
+    return _Acquisition(
         context, spec, respec, token, ttl_ms, blocking, deadline, member, late
     ).run()
 
@@ -140,8 +141,19 @@ class _Acquisition:
     in_flight: asyncio.Future[Any] | None = None
 
     async def run(self) -> Grant | Miss:
+        """The state diagram of the module docstring, then `leave`."""
         try:
-            return await self.drive()
+            step: _Next = PARK if self.parks_first() else TRY
+            while isinstance(step, _State):
+                if step is TRY:
+                    step = await self.try_script()
+                elif step is PARK:
+                    step = await self.park()
+                elif step is SLEEP:
+                    step = self.woken(await self.parked().sleep())
+                else:  # OUTAGE
+                    step = await self.outage()
+            return step  # a Grant or a Miss
         except TimeoutError:
             # `bounded` ran out of time while Redis was slow: same as the deadline.
             return Miss(unanswered=True, wait_ms=self.miss.wait_ms)
@@ -150,20 +162,6 @@ class _Acquisition:
             raise
         finally:
             await self.leave()
-
-    async def drive(self) -> Grant | Miss:
-        """The state diagram of the module docstring."""
-        step: _Next = PARK if self.parks_first() else TRY
-        while isinstance(step, _State):
-            if step is TRY:
-                step = await self.try_script()
-            elif step is PARK:
-                step = await self.park()
-            elif step is SLEEP:
-                step = self.woken(await self.parked().sleep())
-            else:  # OUTAGE
-                step = await self.outage()
-        return step  # a Grant or a Miss
 
     def parks_first(self) -> bool:
         """Blocking, on a channel this client already watches: contended, most likely, so it

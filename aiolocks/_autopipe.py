@@ -62,20 +62,22 @@ class AutoPipeline:
         self._closed = False  # `aclose()` was called: no new link is opened
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
 
-    async def call(
+    def call(
         self,
         script: Script,
         keys: tuple[bytes, ...],
         args: tuple[Any, ...],
         retry: bool,
         sent: Callable[[float], None] | None = None,
-    ) -> Any:
-        """Run `script` in the next batch; a connection error is retried once if `retry`.
-        `sent` is told when the call is written (behind a burst, long after this call)."""
+    ) -> asyncio.Future[Any]:
+        """Run `script` in the next batch: the future of its reply (a future, not a
+        coroutine: one object less per call in flight). A connection error is retried
+        once if `retry`; `sent` is told when the call is written (behind a burst, long
+        after this call)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append(Call((script, keys, args), retry, future, sent))
         self._kick()
-        return await future
+        return future
 
     def _kick(self) -> None:
         """Schedule a flush if calls wait and the link can take another batch. It runs on

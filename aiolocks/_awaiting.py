@@ -61,10 +61,15 @@ async def settled(in_flight: asyncio.Future[T]) -> T | None:
         return None
 
 
-async def bounded(awaitable: Awaitable[T], deadline: float | None) -> T:
-    """`awaitable`, awaited until the monotonic time `deadline` at most (TimeoutError)."""
+def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
+    """`awaitable`, awaited until the monotonic time `deadline` at most (TimeoutError);
+    without a deadline, `awaitable` itself (no coroutine more in the chain)."""
     if deadline is None:
-        return await awaitable
+        return awaitable
+    return _bounded(awaitable, deadline)
+
+
+async def _bounded(awaitable: Awaitable[T], deadline: float) -> T:
     loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
     async with asyncio.timeout_at(loop_deadline):
         return await awaitable

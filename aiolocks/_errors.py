@@ -10,8 +10,6 @@ builds its own message, so callers never format one by hand.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import redis.exceptions
@@ -126,20 +124,38 @@ def _access_cause(exc: Exception) -> str:
     return f"wrong username or password ({text})"
 
 
-@contextmanager
-def map_redis_errors(name: str) -> Iterator[None]:
+class map_redis_errors:
     """Translate redis-py's (and valkey-py's) errors: refused credentials or permissions
     into `AccessDenied`, connection and timeout errors (and a reply that is not Redis
-    protocol) into `ServerUnavailable`."""
-    try:
-        yield
-    except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS) as exc:
-        raise AccessDenied(name, f"Redis refused access: {_access_cause(exc)}") from exc
-    except INVALID_RESPONSE_ERRORS as exc:
-        raise ServerUnavailable(
+    protocol) into `ServerUnavailable`. A class, not a generator: one object per use (it
+    wraps every acquisition in flight)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if isinstance(exc, Exception):
+            translated = _translated(self.name, exc)
+            if translated is not None:
+                raise translated from exc
+
+
+def _translated(name: str, exc: Exception) -> Exception | None:
+    if isinstance(exc, (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS)):
+        return AccessDenied(name, f"Redis refused access: {_access_cause(exc)}")
+    if isinstance(exc, INVALID_RESPONSE_ERRORS):
+        return ServerUnavailable(
             name, f"Redis unreachable: the endpoint did not answer as Redis does ({exc})"
-        ) from exc
-    except _UNREACHABLE as exc:
-        raise ServerUnavailable(name, f"Redis unreachable: {exc}") from exc
-    except RESPONSE_ERRORS as exc:
-        raise ServerUnavailable(name, f"Redis refused the call: {exc}") from exc
+        )
+    if isinstance(exc, _UNREACHABLE):
+        return ServerUnavailable(name, f"Redis unreachable: {exc}")
+    if isinstance(exc, RESPONSE_ERRORS):
+        return ServerUnavailable(name, f"Redis refused the call: {exc}")
+    return None

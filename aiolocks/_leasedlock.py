@@ -107,7 +107,7 @@ class LeasedLock(LockCore):
                 self._ttl_ms,
                 blocking=blocking,
                 deadline=deadline,
-                respec=lambda: self._spec,
+                respec=None if self._spec.refused is None else self._current_spec,
             )
         if isinstance(grant, _spec.Miss):
             self._missed(grant, try_bound, token)
@@ -115,6 +115,11 @@ class LeasedLock(LockCore):
         if self._replicas:
             await confirm_replicated(self, context, grant)
         return grant
+
+    def _current_spec(self) -> _spec.Spec:
+        """The instance's spec now (after a `set_limit()`, a new one): for an acquisition
+        that a stale one's refusal sends back to try again."""
+        return self._spec
 
     def _try_deadline(
         self, blocking: bool, deadline: float | None
