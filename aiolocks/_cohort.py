@@ -20,14 +20,13 @@ import enum
 import functools
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _awaiting, _release, _telemetry, _withdraw
 from ._awaiting import Unanswered
 from ._context import ClientContext
 from ._holding import Holding
-from ._leases import Lease, validity
+from ._leases import Callbacks, Lease, LeaseOwner, validity
 from ._spec import Grant, Spec
 
 __all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
@@ -52,7 +51,7 @@ class Member(Protocol):
         self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
     ) -> Grant | None: ...
 
-    def _new_lease(self, grant: Grant, on_lost: Callable[[str], None]) -> Lease: ...
+    def _new_lease(self, grant: Grant, owner: LeaseOwner) -> Lease: ...
 
     def _install(
         self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
@@ -194,10 +193,10 @@ class Cohort:
         self.token = grant.token
         self._next_fence = grant.fence + 1
         self.passes = 0
-        lease = lock._new_lease(grant, self._lost)
-        lease.release = functools.partial(
+        give_back = functools.partial(
             _release.release, self._context, self._spec, grant.token, self._ttl_ms
         )
+        lease = lock._new_lease(grant, Callbacks(self._lost, give_back))
         self._lease = lease
         self._context.keeper.hold(lease)
         self._give(lock, task, grant.fence)

@@ -94,8 +94,8 @@ class LeaseKeeper:
         lease.queued = None
 
     def releases(self) -> list[Callable[[], Awaitable[object]]]:
-        """How to give back every lease held now (those whose holder said how)."""
-        return [lease.release for lease in self._leases if lease.release is not None]
+        """How to give back every lease held now."""
+        return [lease.owner.give_back for lease in self._leases]
 
     def watch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
         """Heartbeat `waiter` with its primitive's `keys` (the waiters key first)."""
@@ -307,8 +307,10 @@ class LeaseKeeper:
         self._leases.discard(lease)
         lease.queued = None
         lease.lost = True
+        if lease.releasing:
+            return  # its release reports it (see `_withdraw.release_until`)
         try:
-            lease.on_lost(reason)
+            lease.owner.lease_lost(reason)
         except Exception:  # a holder's callback must never kill the keeper
             log.exception("aiolocks: lease-lost callback failed")
 

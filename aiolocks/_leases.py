@@ -3,14 +3,14 @@
 Each lease keeps a conservative local validity on the monotonic clock, counted from when
 the request that granted or last renewed it was *sent* (`validity`); when a renewal finds
 another owner, or the validity runs out while Redis cannot be reached, the lease is
-reported lost (`on_lost`), never silently dropped.
+reported lost (to its `owner`), never silently dropped.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._scripts import Script
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ._lot import Waiter
     from ._renewbatch import Entry
 
-__all__ = ["HeartbeatGroup", "Lease", "validity"]
+__all__ = ["Callbacks", "HeartbeatGroup", "Lease", "LeaseOwner", "validity"]
 
 # Validity is shortened by this much of the ttl (plus 2 ms) to allow for clock drift
 # between this host and the server, as in the Redlock analysis.
@@ -31,6 +31,27 @@ def validity(sent_at: float, ttl: float) -> float:
     return sent_at + ttl * (1 - _DRIFT) - 0.002
 
 
+class LeaseOwner(Protocol):
+    """Whom a lease tells of its loss, and how it is given back when the event loop ends
+    while it is held (a `Holding` is its own lease's owner: no callback objects)."""
+
+    def lease_lost(self, reason: str) -> None: ...
+
+    def give_back(self) -> Awaitable[object]: ...
+
+
+class Callbacks:
+    """A `LeaseOwner` made of two callables (a cohort's lease, a multi-lock's names)."""
+
+    __slots__ = ("give_back", "lease_lost")
+
+    def __init__(
+        self, lease_lost: Callable[[str], None], give_back: Callable[[], Awaitable[object]]
+    ) -> None:
+        self.lease_lost = lease_lost
+        self.give_back = give_back
+
+
 class Lease:
     """One held lease: how to renew it, until when it is known valid, whom to tell if lost."""
 
@@ -40,9 +61,9 @@ class Lease:
         "keys",
         "lost",
         "next_due",
-        "on_lost",
+        "owner",
         "queued",
-        "release",
+        "releasing",
         "script",
         "ttl",
         "valid_until",
@@ -55,7 +76,7 @@ class Lease:
         args: tuple[Any, ...],
         ttl: float,
         granted_at: float,
-        on_lost: Callable[[str], None],
+        owner: LeaseOwner,
     ) -> None:
         self.script = script
         self.keys = keys
@@ -63,12 +84,12 @@ class Lease:
         self.ttl = ttl
         self.valid_until = validity(granted_at, ttl)
         self.next_due = granted_at + ttl / 3
-        self.on_lost = on_lost
+        self.owner = owner
         self.lost = False
+        # Being released: a loss is the release's to report, not the keeper's.
+        self.releasing = False
         self.queued: float | None = None  # the key of its live heap entry (the keeper's)
         self.entry: Entry | None = None  # its part of a batch call, made once
-        # Gives it back, when the event loop ends while it is held (set by its holder).
-        self.release: Callable[[], Awaitable[object]] | None = None
 
     @property
     def remaining(self) -> float:

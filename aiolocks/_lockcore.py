@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from . import _awaiting, _release, _spec, _telemetry, _withdraw
@@ -22,7 +21,7 @@ from ._context import ClientContext
 from ._errors import LockLost, LockNotOwned
 from ._holding import Holding, current_task
 from ._keys import DEFAULT_PREFIX, validate_name, validate_prefix
-from ._leases import Lease
+from ._leases import Lease, LeaseOwner
 from ._scripts import Script
 from ._settings import (
     DEFAULT_REPLICA_TIMEOUT,
@@ -108,8 +107,7 @@ class LockCore:
     def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _spec.Grant) -> None:
         """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
         holding = self._install(task, grant.token, grant.fence)
-        holding.lease = self._new_lease(grant, holding.lease_lost)
-        holding.lease.release = holding.give_back
+        holding.lease = self._new_lease(grant, holding)
         context.keeper.hold(holding.lease)
         self._cap(context, holding, grant.granted_at)
 
@@ -139,14 +137,14 @@ class LockCore:
 
     # -- the holdings, by task -------------------------------------------------------------
 
-    def _new_lease(self, grant: _spec.Grant, on_lost: Callable[[str], None]) -> Lease:
+    def _new_lease(self, grant: _spec.Grant, owner: LeaseOwner) -> Lease:
         return Lease(
             self._spec.renew,
             self._spec.renew_keys,
             (grant.token, self._ttl_ms),
             self._ttl,
             grant.granted_at,
-            on_lost,
+            owner,
         )
 
     def _install(

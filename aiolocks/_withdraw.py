@@ -193,7 +193,7 @@ async def release_until(
     `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
     (`_gate.py`), their validity followed from when they have one."""
     if lease is not None:
-        lease.on_lost = _told_by_the_release
+        lease.releasing = True  # the keeper renews it on, but reports no loss of it
     bound: _ValidityBound | None = None
     try:
         # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
@@ -219,10 +219,6 @@ async def release_until(
         end = until if bound is None else bound.end()
         await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
         raise
-
-
-def _told_by_the_release(reason: str) -> None:
-    """A lease being released is not reported lost by the keeper (see `release_until`)."""
 
 
 _NO_CONTEXT = contextvars.Context()

@@ -26,7 +26,7 @@ from ._errors import LockLost, map_redis_errors
 from ._holding import Holding
 from ._keys import DEFAULT_PREFIX, validate_name
 from ._leasedlock import LeasedLock
-from ._leases import Lease
+from ._leases import Callbacks, Lease
 from ._query import query
 from ._scripts import load
 from ._settings import DEFAULT_TTL, LostCallback
@@ -230,14 +230,14 @@ class RedisMultiLock(LeasedLock):
         self, context: ClientContext, taken: _Taken, spec: _spec.Spec, grant: _spec.Grant
     ) -> None:
         """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
-        lost = functools.partial(self._name_lost, taken, spec.name)
+        owner = Callbacks(
+            functools.partial(self._name_lost, taken, spec.name),
+            functools.partial(_release.release, context, spec, grant.token, self._ttl_ms),
+        )
         lease = Lease(
             spec.renew, spec.renew_keys, (grant.token, self._ttl_ms), self._ttl,
-            grant.granted_at, lost,
+            grant.granted_at, owner,
         )  # fmt: skip
-        lease.release = functools.partial(
-            _release.release, context, spec, grant.token, self._ttl_ms
-        )
         context.keeper.hold(lease)
         taken.leases.append(lease)
         taken.fences[spec.name] = grant.fence
