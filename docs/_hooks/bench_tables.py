@@ -624,6 +624,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "scale_before": _scale,
     "scale_burst": _scale_burst,
     "scale_burst_gc_off": _scale_burst,
+    "scale_burst_slim": _scale_burst,
     "scale_calls": _scale_calls,
     "peers": _peers,
     "mutex": _mutex,
