@@ -98,9 +98,9 @@ class Holding:
             self.cancelled = False
             self.task.uncancel()
 
-    # Its lease's callbacks, as methods: one object each per holding, where a partial of
-    # the lock's method was three (a burst of 100,000 holdings is that many more objects
-    # for every full collection of the garbage collector to go through).
+    # As its lease's owner (`_leases.LeaseOwner`): the lease calls these on the holding
+    # itself, so no callback object is made per holding (a burst of 100,000 holdings would
+    # be that many more objects for every full collection of the garbage collector).
     def lease_lost(self, reason: str) -> None:
         self.lock._lease_lost(self, reason)
 
