@@ -5,17 +5,17 @@ with loss reported to the holder, a fencing token for every acquisition, and cle
 on cancellation at every await.
 """
 
-from ._errors import AccessDenied as AccessDenied
-from ._errors import LimitMismatch as LimitMismatch
-from ._errors import LockError as LockError
-from ._errors import LockLost as LockLost
-from ._errors import LockNotOwned as LockNotOwned
-from ._errors import LockReentry as LockReentry
-from ._errors import LockTimeout as LockTimeout
-from ._errors import NotReplicated as NotReplicated
-from ._errors import ServerUnavailable as ServerUnavailable
-from ._handle import LockHandle as LockHandle
-from ._statistics import LockStatistics as LockStatistics
+from ._base._errors import AccessDenied as AccessDenied
+from ._base._errors import LimitMismatch as LimitMismatch
+from ._base._errors import LockError as LockError
+from ._base._errors import LockLost as LockLost
+from ._base._errors import LockNotOwned as LockNotOwned
+from ._base._errors import LockReentry as LockReentry
+from ._base._errors import LockTimeout as LockTimeout
+from ._base._errors import NotReplicated as NotReplicated
+from ._base._errors import ServerUnavailable as ServerUnavailable
+from ._base._handle import LockHandle as LockHandle
+from ._engine._statistics import LockStatistics as LockStatistics
 from .election import ElectionInfo as ElectionInfo
 from .election import LeaderInfo as LeaderInfo
 from .election import RedisElection as RedisElection

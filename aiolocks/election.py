@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, final
 
-from . import _spec
-from ._clients import AnyRedis
-from ._context import context_for
-from ._errors import LockLost, map_redis_errors
-from ._holding import Holding
-from ._keys import DEFAULT_PREFIX, KeySpace
-from ._leasedlock import LeasedLock
-from ._observe import Hub, Observer, State, hub_for, info_fields
+from ._base import _spec
+from ._base._clients import AnyRedis
+from ._base._errors import LockLost, map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, KeySpace
+from ._engine._context import context_for
+from ._engine._holding import Holding
+from ._engine._leasedlock import LeasedLock
+from ._engine._observe import Hub, Observer, State, hub_for, info_fields
+from ._engine._settings import DEFAULT_TTL, LostCallback
 from ._scripts import load
-from ._settings import DEFAULT_TTL, LostCallback
 
 __all__ = ["ElectionInfo", "LeaderInfo", "RedisElection", "Term"]
 

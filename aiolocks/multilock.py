@@ -19,18 +19,19 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, final
 
-from . import _acquire, _awaiting, _confirm, _release, _spec, _withdraw
-from ._clients import AnyRedis, is_cluster
-from ._context import ClientContext
-from ._errors import LockLost, map_redis_errors
-from ._holding import Holding
-from ._keys import DEFAULT_PREFIX, validate_name
-from ._leasedlock import LeasedLock
-from ._leases import Callbacks, Lease
-from ._query import query
+from ._base import _spec
+from ._base._clients import AnyRedis, is_cluster
+from ._base._errors import LockLost, map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, validate_name
+from ._base._query import query
+from ._base._telemetry import Counters
+from ._engine import _acquire, _awaiting, _confirm, _release, _withdraw
+from ._engine._context import ClientContext
+from ._engine._holding import Holding
+from ._engine._leasedlock import LeasedLock
+from ._engine._settings import DEFAULT_TTL, LostCallback
+from ._leases._lease import Callbacks, Lease
 from ._scripts import load
-from ._settings import DEFAULT_TTL, LostCallback
-from ._telemetry import Counters
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 
 __all__ = ["RedisMultiLock"]

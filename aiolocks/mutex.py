@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
-from . import _spec
-from ._clients import AnyRedis
-from ._cohort import MAX_LOCAL_HANDOFF
-from ._errors import map_redis_errors
-from ._keys import DEFAULT_PREFIX, KeySpace
-from ._leasedlock import LeasedLock
-from ._query import query
+from ._base import _spec
+from ._base._clients import AnyRedis
+from ._base._errors import map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, KeySpace
+from ._base._query import query
+from ._base._telemetry import Counters
+from ._engine._cohort import MAX_LOCAL_HANDOFF
+from ._engine._leasedlock import LeasedLock
+from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 from ._scripts import Script, load
-from ._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
-from ._telemetry import Counters
 
 __all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
 

@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, final
 
-from ._clients import AnyRedis, ensure_async_client
-from ._coalesce import Coalescer
-from ._context import context_for
-from ._errors import map_redis_errors
-from ._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
+from ._base._clients import AnyRedis, ensure_async_client
+from ._base._coalesce import Coalescer
+from ._base._errors import map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
+from ._engine._context import context_for
 from ._scripts import load
 
 __all__ = ["MAX_NAME_BYTES", "RedisRegistry", "RegistryStatistics"]

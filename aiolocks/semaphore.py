@@ -6,15 +6,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, final
 
-from . import _release, _spec
-from ._clients import AnyRedis
-from ._context import context_for
-from ._errors import LimitMismatch, map_redis_errors
-from ._keys import DEFAULT_PREFIX, KeySpace
-from ._leasedlock import LeasedLock
-from ._query import query
+from ._base import _spec
+from ._base._clients import AnyRedis
+from ._base._errors import LimitMismatch, map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, KeySpace
+from ._base._query import query
+from ._engine import _release
+from ._engine._context import context_for
+from ._engine._leasedlock import LeasedLock
+from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 from ._scripts import Script, load
-from ._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 
 __all__ = ["RedisSemaphore", "SemaphoreInfo"]
 

@@ -37,10 +37,10 @@ import pytest
 import pytest_asyncio
 import redis.asyncio
 
-from ._context import context_for
-from ._embedded import start_embedded_server
-from ._errors import LockNotOwned, map_redis_errors
-from ._leasedlock import LeasedLock
+from ._base._embedded import start_embedded_server
+from ._base._errors import LockNotOwned, map_redis_errors
+from ._engine._context import context_for
+from ._engine._leasedlock import LeasedLock
 from ._scripts import load
 from .election import RedisElection, Term
 from .mutex import RedisMutex

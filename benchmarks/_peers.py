@@ -22,7 +22,7 @@ import redis.asyncio
 from _harness import CommandLog, counted_client, counted_sync_client
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 T = TypeVar("T")
 

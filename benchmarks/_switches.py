@@ -16,7 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiolocks import _autopipe, _confirm, _keeper, _renewal, _subscriptions, mutex, registry
+from aiolocks import mutex, registry
+from aiolocks._engine import _confirm
+from aiolocks._leases import _keeper, _renewal
+from aiolocks._transport import _autopipe
+from aiolocks._waiting import _subscriptions
 
 ENV = "AIOLOCKS_BENCH_FLIP"
 # The local_handoff a "cohorts" run gives every RedisMutex made without one.
@@ -76,22 +80,22 @@ def _no_renewal_batch() -> None:
 SWITCHES: dict[str, Switch] = {
     "autopipelining": Switch(
         "script calls of one loop iteration go out as one pipeline on one connection",
-        "env AIOLOCKS_AUTOPIPELINE=0 (read in aiolocks._context)",
+        "env AIOLOCKS_AUTOPIPELINE=0 (read in aiolocks._engine._context)",
         _no_autopipelining,
     ),
     "direct_reads": Switch(
         "the auto-pipeline's replies parsed in the transport's callback, no reader task",
-        "aiolocks._autopipe.DIRECT_READS = False",
+        "aiolocks._transport._autopipe.DIRECT_READS = False",
         _set(_autopipe, "DIRECT_READS", False),
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
-        "aiolocks._subscriptions._LINGER = 0.0",
+        "aiolocks._waiting._subscriptions._LINGER = 0.0",
         _set(_subscriptions, "_LINGER", 0.0),
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",
-        "aiolocks._confirm._MAX_CONFIRMS = 0",
+        "aiolocks._engine._confirm._MAX_CONFIRMS = 0",
         _set(_confirm, "_MAX_CONFIRMS", 0),
     ),
     "registry_coalescing": Switch(
@@ -101,12 +105,13 @@ SWITCHES: dict[str, Switch] = {
     ),
     "renewal_coalescing": Switch(
         "the keeper renews, with the lease due, every lease due within a tenth of a period",
-        "aiolocks._keeper._COALESCE = 0.0",
+        "aiolocks._leases._keeper._COALESCE = 0.0",
         _set(_keeper, "_COALESCE", 0.0),
     ),
     "renewal_batch": Switch(
         "one renew_batch script call renews up to 250 leases",
-        "aiolocks._renewal.BATCH = 1 and aiolocks._keeper.BATCH = 1 (its round: 8 calls)",
+        "aiolocks._leases._renewal.BATCH = 1 and aiolocks._leases._keeper.BATCH = 1"
+        " (its round: 8 calls)",
         _no_renewal_batch,
     ),
     "cohorts": Switch(

@@ -52,7 +52,7 @@ from _harness import (
 )
 
 from aiolocks import RedisMutex, RedisRegistry
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 CLIENT_NAME = "bench-autopipe"
 COUNTERS = [f"bench:counter:{n}" for n in range(100)]
@@ -281,9 +281,9 @@ _CLIENT: list[redis.asyncio.Redis] = []
 
 async def worker_main(spec: dict[str, Any]) -> None:
     if spec["bound"] is not None:
-        import aiolocks._runner
+        import aiolocks._transport._runner
 
-        aiolocks._runner._MAX_IN_FLIGHT = spec["bound"]
+        aiolocks._transport._runner._MAX_IN_FLIGHT = spec["bound"]
     client = redis.asyncio.Redis.from_url(spec["url"], client_name=CLIENT_NAME)
     _CLIENT.append(client)
     size, workload = spec["size"], spec["workload"]

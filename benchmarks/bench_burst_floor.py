@@ -31,9 +31,9 @@ from typing import Any
 import redis.asyncio
 from _harness import bench_server
 
-from aiolocks._context import context_for
-from aiolocks._runner import ScriptRunner
+from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
+from aiolocks._transport._runner import ScriptRunner
 
 
 def _script(name: str, source: str) -> Script:

@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio
 
 from aiolocks import RedisMutex, RedisReadWriteLock, RedisSemaphore
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 
 CONCURRENCY = 64
 

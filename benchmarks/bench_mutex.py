@@ -72,7 +72,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 LOCK_NAME = "bench:mutex"
 COUNTER_KEY = "bench:counter"

@@ -27,7 +27,7 @@ import redis.asyncio
 from _harness import RESULTS, bench_server, machine, write_json
 
 from aiolocks import RedisReadWriteLock, RedisSemaphore
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 TASKS, ITERATIONS, LIMIT, WRITE_SHARE = 32, 50, 4, 0.10
 CAP_S = 120.0

@@ -35,7 +35,7 @@ from typing import Any
 import redis.asyncio
 
 from aiolocks import RedisRegistry
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 TASKS = 16
 BATCH = 1_000

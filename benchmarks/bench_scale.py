@@ -79,8 +79,8 @@ from _harness import (
 )
 
 from aiolocks import LockLost, RedisMutex
-from aiolocks import _telemetry as telemetry
-from aiolocks._context import context_for
+from aiolocks._base import _telemetry as telemetry
+from aiolocks._engine._context import context_for
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 256  # tasks acquiring at once
@@ -259,8 +259,10 @@ CALL_SIZES = (1, 10, 50, 100, 250, 500, 1000, 2000)
 
 async def call_sizes(url: str) -> list[dict[str, Any]]:
     """Server time per renewal call and per lease, client CPU per lease, by leases per call."""
-    from aiolocks import _renewal  # (here: a --burst --tree worker may run an older aiolocks)
-    from aiolocks._renewal import BATCH, lease_calls
+    from aiolocks._leases import (
+        _renewal,  # (here: a --burst --tree worker may run an older aiolocks)
+    )
+    from aiolocks._leases._renewal import BATCH, lease_calls
 
     client = redis.asyncio.Redis.from_url(url)
     admin = redis.asyncio.Redis.from_url(url)
@@ -353,7 +355,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def main_calls(args: argparse.Namespace) -> None:
-    from aiolocks import _renewal
+    from aiolocks._leases import _renewal
 
     began = time.monotonic()
     with bench_server(args.url) as (url, source):
@@ -469,9 +471,9 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # The worker's aiolocks: this tree's or --tree's (before the acquire split, the
     # background clean-ups were in _acquire).
     try:
-        from aiolocks import _withdraw as cleanups
+        from aiolocks._engine import _withdraw as cleanups
     except ImportError:
-        from aiolocks import _acquire as cleanups  # type: ignore[no-redef]
+        from aiolocks._engine import _acquire as cleanups  # type: ignore[no-redef]
 
     n, ttl, hold = spec["n"], spec["ttl"], spec["hold"]
     if spec.get("gc") == "off":

@@ -51,8 +51,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NoOpTracerProvider
 
 import aiolocks.otel
-from aiolocks import RedisMutex, _telemetry
-from aiolocks._leasedlock import LeasedLock
+from aiolocks import RedisMutex
+from aiolocks._base import _telemetry
+from aiolocks._engine._leasedlock import LeasedLock
 
 MODES = ("none", "off", "metrics", "on")
 HOOKS = ("on_release", "on_handoff", "on_lease_lost", "on_renewal")

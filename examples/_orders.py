@@ -13,7 +13,7 @@ from typing import Literal
 
 import redis.asyncio as redis
 
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 from aiolocks.cli._connect import redacted
 
 # Records the charge unless a holder with a newer fence already wrote the order: the

@@ -32,7 +32,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from aiolocks import LockError, RedisMutex
-from aiolocks._embedded import die_with_parent, start_embedded_server
+from aiolocks._base._embedded import die_with_parent, start_embedded_server
 from aiolocks.cli._connect import redacted
 
 SCRIPT = str(Path(__file__).resolve())  # workers run this same file

@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from aiolocks import LockHandle, LockLost, RedisMutex
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 
 TTL = 10.0  # a job must be picked up within this long: nothing renews it in the queue
 

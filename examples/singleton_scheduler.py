@@ -33,7 +33,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from aiolocks import LockLost, RedisElection
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 
 ELECTION = "scheduler"
 TTL = 10.0

@@ -34,7 +34,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from aiolocks import RedisMutex, RedisRegistry, RedisSemaphore
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 
 API_LIMIT = 3  # calls the payment API accepts at once
 CUSTOMERS = 7  # order n belongs to customer "customer-<n % CUSTOMERS>"

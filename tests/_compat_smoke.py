@@ -36,7 +36,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 from aiolocks.testing import expire_lease
 
 WAKE_BOUND = 3.0  # a grant message arrives in milliseconds; the timer fallback is 30 s

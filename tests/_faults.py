@@ -27,8 +27,8 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._withdraw import _BACKGROUND
+from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._engine._withdraw import _BACKGROUND
 
 __all__ = [
     "KINDS",

@@ -12,7 +12,7 @@ import redis.asyncio as redis
 
 import aiolocks
 from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 
 
 async def _use_every_primitive(url: str) -> int:

@@ -10,8 +10,8 @@ from typing import Any
 
 import redis.asyncio
 
-from aiolocks._clients import AnyRedis
-from aiolocks._context import ClientContext, context_for
+from aiolocks._base._clients import AnyRedis
+from aiolocks._engine._context import ClientContext, context_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued

@@ -360,7 +360,7 @@ async def spawn() -> AsyncIterator[Spawn]:
 @pytest.fixture
 def renewals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Renewals]:
     """Every renewal batch the lease keeper reports (through the telemetry hook)."""
-    from aiolocks import _telemetry  # not at import: aiolocks.testing is registered first
+    from aiolocks._base import _telemetry  # not at import: aiolocks.testing is registered first
 
     counter = Renewals()
     monkeypatch.setattr(_telemetry, "recorder", counter)
@@ -371,7 +371,7 @@ def renewals(monkeypatch: pytest.MonkeyPatch) -> Iterator[Renewals]:
 async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Redis]:
     """A client of the keyspace-notifying Valkey after FLUSHALL; its engine and its
     connections closed afterwards (a test module may define its own `client`)."""
-    from aiolocks._context import context_for
+    from aiolocks._engine._context import context_for
 
     r = redis.asyncio.Redis.from_url(valkey_notify.url)
     await r.flushall()

@@ -1,4 +1,4 @@
-"""The adapter (aiolocks/_adapter.py), the one module that touches a client library's
+"""The adapter (aiolocks/_base/_adapter.py), the one module that touches a client library's
 internals: each of its functions against the installed redis-py (and valkey-py) on a real
 server. `nox -s compat` runs this file with every supported redis-py release."""
 
@@ -18,7 +18,7 @@ import redis.exceptions
 from _cluster import Cluster
 from _servers import ServerProcess
 
-from aiolocks import _adapter
+from aiolocks._base import _adapter
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aiolocks"
 

@@ -1,4 +1,4 @@
-"""Auto-pipelining of the engine's script calls (`aiolocks/_autopipe.py`, its link
+"""Auto-pipelining of the engine's script calls (`aiolocks/_transport/_autopipe.py`, its link
 `_pipelink.py` and the link's `_direct_reads.py`), on real servers.
 
 Batches are counted by the engine (`AutoPipeline.batches_sent`, `commands_sent`) and by the
@@ -20,11 +20,13 @@ from _proxy import Proxy
 from _servers import command_count
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks import RedisMutex, ServerUnavailable, _adapter, _autopipe, _direct_reads, _pipelink
-from aiolocks._autopipe import AutoPipeline
-from aiolocks._context import ClientContext, context_for
-from aiolocks._runner import AUTOPIPELINE_ENV
+from aiolocks import RedisMutex, ServerUnavailable
+from aiolocks._base import _adapter
+from aiolocks._engine._context import ClientContext, context_for
 from aiolocks._scripts import Script
+from aiolocks._transport import _autopipe, _direct_reads, _pipelink
+from aiolocks._transport._autopipe import AutoPipeline
+from aiolocks._transport._runner import AUTOPIPELINE_ENV
 
 # Direct reads parse with hiredis; without it (a cell of `nox -s compat`) redis-py reads.
 needs_hiredis = pytest.mark.skipif(

@@ -18,9 +18,9 @@ import redis.asyncio
 from _probes import Renewals
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
-from aiolocks._leases import Lease
-from aiolocks._runner import AUTOPIPELINE_ENV
+from aiolocks._engine._context import context_for
+from aiolocks._leases._lease import Lease
+from aiolocks._transport._runner import AUTOPIPELINE_ENV
 
 
 @contextlib.contextmanager

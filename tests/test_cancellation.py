@@ -12,7 +12,7 @@ from _probes import QueueProbe, mutex_keys
 from conftest import Backend, cancelled_attempt
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
 
 

@@ -12,7 +12,7 @@ import redis.asyncio
 from conftest import Backend, cancelled_attempt
 
 from aiolocks import RedisReadWriteLock, RedisSemaphore
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 SEM, RW, LIMIT = "x:sem-storm", "x:rw-storm", 2
 

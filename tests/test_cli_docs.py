@@ -18,14 +18,8 @@ from _probes import QueueProbe
 from _web import ONE_SERVER
 from conftest import Tasks
 
-from aiolocks import (
-    LockError,
-    RedisMutex,
-    RedisReadWriteLock,
-    RedisRegistry,
-    RedisSemaphore,
-    _leasedlock,
-)
+from aiolocks import LockError, RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
+from aiolocks._engine import _leasedlock
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 

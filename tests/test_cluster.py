@@ -27,9 +27,10 @@ from conftest import SENTINEL_VARIANTS, open_sentinel_group
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore, _telemetry
-from aiolocks._context import context_for
-from aiolocks._renewbatch import RENEW_BATCH
+from aiolocks import RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
+from aiolocks._base import _telemetry
+from aiolocks._engine._context import context_for
+from aiolocks._leases._renewbatch import RENEW_BATCH
 
 pytestmark = pytest.mark.slow
 

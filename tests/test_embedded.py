@@ -1,4 +1,4 @@
-"""The embedded Valkey server (`aiolocks._embedded`) ends with the process that started it,
+"""The embedded Valkey server (`aiolocks._base._embedded`) ends with the process that started it,
 however that process ends, and outlives the thread that started it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # line on stdin: "exit" ends it normally (without stop()); otherwise the test signals it.
 _PARENT = """
 import sys, threading
-from aiolocks._embedded import start_embedded_server
+from aiolocks._base._embedded import start_embedded_server
 servers = []
 starter = threading.Thread(target=lambda: servers.append(start_embedded_server()))
 starter.start()

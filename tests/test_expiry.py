@@ -30,8 +30,8 @@ from aiolocks import (
     RedisRegistry,
     RedisSemaphore,
 )
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
 
 TTL = 1.0
 IDLE = 1.0  # IDLE_MS in _prelude.lua: keys outlive the last lease by this much

@@ -23,8 +23,8 @@ import redis.asyncio
 from _faultreport import record
 from _faults import KINDS, Kind, Side, leftovers, make_sides
 
-from aiolocks._cohort import cohorts_of
-from aiolocks._context import context_for
+from aiolocks._engine._cohort import cohorts_of
+from aiolocks._engine._context import context_for
 
 pytestmark = pytest.mark.faults
 

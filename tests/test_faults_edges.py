@@ -26,10 +26,10 @@ from _proxy import Proxy
 from _servers import ServerProcess
 
 from aiolocks import LockLost, RedisMutex, RedisSemaphore
-from aiolocks import _subscriptions as subscriptions_module
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._waitqueue import WaitQueue
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._waiting import _subscriptions as subscriptions_module
+from aiolocks._waiting._waitqueue import WaitQueue
 from aiolocks.mutex import _RELEASE as MUTEX_RELEASE
 from aiolocks.semaphore import _ACQUIRE as SEM_ACQUIRE
 from aiolocks.semaphore import _SET_LIMIT

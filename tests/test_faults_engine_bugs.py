@@ -33,16 +33,14 @@ from aiolocks import (
     RedisMutex,
     RedisSemaphore,
     ServerUnavailable,
-    _acquire,
-    _autopipe,
-    _pipelink,
-    _withdraw,
     multilock,
 )
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._runner import AUTOPIPELINE_ENV
+from aiolocks._engine import _acquire, _withdraw
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
 from aiolocks._scripts import Script
+from aiolocks._transport import _autopipe, _pipelink
+from aiolocks._transport._runner import AUTOPIPELINE_ENV
 from aiolocks.election import _Candidacy
 
 pytestmark = pytest.mark.faults

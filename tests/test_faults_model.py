@@ -35,9 +35,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from aiolocks import LockLost, ReadLock, RedisMutex, RedisReadWriteLock, RedisSemaphore, _release
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
+from aiolocks import LockLost, ReadLock, RedisMutex, RedisReadWriteLock, RedisSemaphore
+from aiolocks._engine import _release
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 

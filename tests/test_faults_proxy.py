@@ -23,8 +23,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 from aiolocks import LockLost, ServerUnavailable
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._renewbatch import RENEW_BATCH
+from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._leases._renewbatch import RENEW_BATCH
 
 pytestmark = pytest.mark.faults
 

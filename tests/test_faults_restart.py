@@ -33,7 +33,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._leasedlock import LeasedLock
+from aiolocks._engine._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 

@@ -21,7 +21,7 @@ from _faults import close_client, snapshot
 from _probes import QueueProbe
 from _servers import KINDS, ServerKind, ServerProcess, free_port
 
-import aiolocks._leasedlock
+import aiolocks._engine._leasedlock
 from aiolocks import (
     AccessDenied,
     RedisMutex,
@@ -29,8 +29,8 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
 
 pytestmark = pytest.mark.faults
 
@@ -221,7 +221,9 @@ async def test_tokens_are_128_random_bits_from_secrets(
         return made[-1]
 
     # Only the lock's own module sees the spy (the client tag also comes from `secrets`).
-    monkeypatch.setattr(aiolocks._leasedlock, "secrets", SimpleNamespace(token_hex=token_hex))
+    monkeypatch.setattr(
+        aiolocks._engine._leasedlock, "secrets", SimpleNamespace(token_hex=token_hex)
+    )
     mutex = RedisMutex(r, "tokens")
     for _ in range(200):
         assert await mutex.acquire()

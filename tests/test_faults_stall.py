@@ -24,9 +24,9 @@ from _proxy import Proxy
 from _servers import ServerProcess
 
 from aiolocks import LockLost, LockTimeout, RedisMutex, ServerUnavailable
-from aiolocks._acquire import TRY_BOUND
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._withdraw import _BACKGROUND
+from aiolocks._engine._acquire import TRY_BOUND
+from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._engine._withdraw import _BACKGROUND
 
 pytestmark = pytest.mark.faults
 

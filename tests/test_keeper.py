@@ -15,11 +15,11 @@ from _probes import QueueProbe, Renewals
 from _servers import ServerProcess
 
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
-from aiolocks._leases import Lease
-from aiolocks._renewal import BATCH
-from aiolocks._renewbatch import RENEW_BATCH, pack
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._leases._lease import Lease
+from aiolocks._leases._renewal import BATCH
+from aiolocks._leases._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
 
 

@@ -20,8 +20,8 @@ from _servers import arun_workers
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockLost, RedisMutex
-from aiolocks._cohort import cohorts_of
-from aiolocks._context import context_for
+from aiolocks._engine._cohort import cohorts_of
+from aiolocks._engine._context import context_for
 from aiolocks.testing import expire_lease
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))

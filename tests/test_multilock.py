@@ -20,7 +20,7 @@ from conftest import Tasks, cancelled_attempt
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockError, LockLost, RedisMultiLock, RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
 
 TRANSFER = Path(__file__).resolve().parent / "workers" / "multi_transfer.py"

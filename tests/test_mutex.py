@@ -13,7 +13,7 @@ from _probes import QueueProbe
 from _servers import ServerProcess, command_count, has_sharded_pubsub
 
 from aiolocks import LockLost, LockNotOwned, RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 # What a client can send itself; commandstats also counts the commands scripts run.
 _TOP_LEVEL = {

@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from aiolocks import RedisRegistry, RegistryStatistics, ServerUnavailable
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 from aiolocks.registry import MAX_NAME_BYTES
 
 WORKER = Path(__file__).resolve().parent / "workers" / "registry_user.py"

@@ -22,7 +22,7 @@ from _probes import QueueProbe
 from conftest import Tasks
 
 from aiolocks import LockLost, LockReentry, LockTimeout, RedisReadWriteLock
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 T = TypeVar("T")
 

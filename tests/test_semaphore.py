@@ -25,7 +25,7 @@ from aiolocks import (
     LockTimeout,
     RedisSemaphore,
 )
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 T = TypeVar("T")
 

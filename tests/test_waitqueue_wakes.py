@@ -23,10 +23,10 @@ from _servers import ServerProcess
 from conftest import VARIANTS, ServerPool
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
-from aiolocks._lot import Waiter, Wake
+from aiolocks._base._spec import Spec
+from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
-from aiolocks._spec import Spec
+from aiolocks._waiting._lot import Waiter, Wake
 
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]
 TIMER_BOUND = 0.3  # the lot's timer re-checks within this of the lease's end (loaded machine)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .._embedded import die_with_parent
+from .._base._embedded import die_with_parent
 from ._connect import redacted
 from ._errors import NotFound, Refused
 from ._io import Streams

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio
 import redis.exceptions
 
-from .._context import context_for
-from .._errors import AccessDenied, ServerUnavailable
+from .._base._errors import AccessDenied, ServerUnavailable
+from .._engine._context import context_for
 from ._errors import Refused, Unreachable, UsageError
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_URL", "connected", "redacted", "server_url"]

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 
-from .. import _adapter, _cancel
-from .._context import context_for
-from .._embedded import EmbeddedServer, die_with_parent, start_embedded_server
-from .._keys import KeySpace
+from .._base import _adapter, _cancel
+from .._base._embedded import EmbeddedServer, die_with_parent, start_embedded_server
+from .._base._keys import KeySpace
+from .._engine._context import context_for
 from .._scripts import load
 from ._connect import connected, redacted
 from ._demo_worker import LOCK_NAME, counter_key

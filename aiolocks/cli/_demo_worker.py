@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import redis.asyncio
 from redis.exceptions import RedisError
 
-from .._context import context_for
-from .._errors import LockError
+from .._base._errors import LockError
+from .._engine._context import context_for
 from ..mutex import RedisMutex
 
 __all__ = ["ACQUIRE_TIMEOUT", "LOCK_NAME", "LOCK_TTL", "counter_key", "main"]

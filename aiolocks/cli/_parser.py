@@ -6,7 +6,7 @@ import argparse
 import math
 
 from .. import __version__
-from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._connect import DEFAULT_CONNECT_TIMEOUT, DEFAULT_URL
 from ._errors import EXIT_LEASE_LOST, EXIT_NOT_ACQUIRED
 from ._scan import KINDS

@@ -14,8 +14,8 @@ from typing import Any
 
 import redis.asyncio
 
-from .._context import context_for
-from .._spec import Spec
+from .._base._spec import Spec
+from .._engine._context import context_for
 from ..election import RedisElection
 from ..mutex import RedisMutex
 from ..rwlock import RedisReadWriteLock

@@ -19,8 +19,8 @@ import signal
 import sys
 from collections.abc import Callable
 
-from .._errors import LimitMismatch, LockLost
-from .._leasedlock import LeasedLock
+from .._base._errors import LimitMismatch, LockLost
+from .._engine._leasedlock import LeasedLock
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore
 from ._connect import connected, server_url

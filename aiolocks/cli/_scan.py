@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import redis.asyncio
 import redis.exceptions
 
-from .._keys import KeySpace, validate_name
+from .._base._keys import KeySpace, validate_name
 from ._errors import NotFound, Refused, UsageError
 
 __all__ = ["KINDS", "PARTS", "Found", "kinds_of", "resolve_kind", "scan", "scan_pattern"]

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import signal
 
-from .._embedded import EmbeddedServer, start_embedded_server
+from .._base._embedded import EmbeddedServer, start_embedded_server
 from ._errors import Refused
 from ._io import Streams
 from ._needs import require

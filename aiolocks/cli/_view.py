@@ -16,7 +16,7 @@ from typing import Any
 
 import redis.asyncio
 
-from .._keys import KeySpace
+from .._base._keys import KeySpace
 from ..election import ElectionInfo, RedisElection
 from ..mutex import MutexInfo, RedisMutex
 from ..registry import RedisRegistry

@@ -18,10 +18,10 @@ from typing import TypedDict
 
 import anyio
 
-from .._clients import AnyRedis, ensure_async_client
-from .._errors import AccessDenied, LockLost, ServerUnavailable
-from .._keys import DEFAULT_PREFIX, validate_name, validate_prefix
-from .._settings import DEFAULT_TTL, validate_timeout, validate_ttl
+from .._base._clients import AnyRedis, ensure_async_client
+from .._base._errors import AccessDenied, LockLost, ServerUnavailable
+from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from .._engine._settings import DEFAULT_TTL, validate_timeout, validate_ttl
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore, _validate_limit
 

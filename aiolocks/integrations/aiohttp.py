@@ -26,7 +26,7 @@ from typing import Any, Unpack, cast
 import redis.asyncio
 from aiohttp import web
 
-from .._clients import AnyRedis, ensure_async_client
+from .._base._clients import AnyRedis, ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
 
 __all__ = ["REDIS", "HeldLock", "held_lock", "lock_middleware", "locked"]

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Unpack
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
 
-from .._clients import ensure_async_client
+from .._base._clients import ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
 
 __all__ = ["HeldLock", "request_lock"]

@@ -58,9 +58,9 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     import fakeredis._socket._base as fr_base
     import fakeredis.commands_mixins.server_mixin as fr_server
 
-    import aiolocks._holding
-    import aiolocks._leases
-    import aiolocks._runner
+    import aiolocks._engine._holding
+    import aiolocks._leases._lease
+    import aiolocks._transport._runner
 
     from ._net import ServerClock
 
@@ -82,16 +82,16 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
         proc = PROCESS.get()
         return bool(getattr(proc, "autopipe", True))
 
-    aiolocks._runner.autopipelining = autopipelining
+    aiolocks._transport._runner.autopipelining = autopipelining
 
-    lease_cls = aiolocks._leases.Lease
+    lease_cls = aiolocks._leases._lease.Lease
     slot = lease_cls.__dict__.get("valid_until")
     if not isinstance(slot, _ValidUntil):
         slot = _ValidUntil(slot)
         setattr(lease_cls, "valid_until", slot)  # noqa: B010 (a slot: mypy refuses the plain form)
     slot.recorder = recorder
 
-    holding_cls = aiolocks._holding.Holding
+    holding_cls = aiolocks._engine._holding.Holding
     mark_lost: Callable[..., None] = getattr(holding_cls.mark_lost, "__wrapped_mark__", None) or (
         holding_cls.mark_lost
     )

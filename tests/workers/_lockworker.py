@@ -19,8 +19,8 @@ from typing import Any
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks._clients import AnyRedis
-from aiolocks._context import context_for
+from aiolocks._base._clients import AnyRedis
+from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
 
 __all__ = [
@@ -62,7 +62,7 @@ def queued_token(args: tuple[Any, ...], reply: Any) -> str | None:
     The acquire script is called as ``EVALSHA sha numkeys *keys member mode channel ...``
     (member = ``token:ttl_ms:tag:kind``) and answers ``{0, wait_ms}`` when, in mode
     ``wait``, it queued the caller (see
-    ``aiolocks/_spec.py``). The reply arrives only after the script ran, so the caller
+    ``aiolocks/_base/_spec.py``). The reply arrives only after the script ran, so the caller
     is on the server's queue from then on.
     """
     if len(args) < 3 or _text(args[0]).upper() != "EVALSHA":

@@ -19,7 +19,7 @@ from _lockworker import connect, emit, run
 from mutex_counter import barrier
 
 from aiolocks import RedisMutex
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 
 async def main(argv: list[str]) -> int:

@@ -29,8 +29,8 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._context import context_for
-from aiolocks._leasedlock import LeasedLock
+from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import LeasedLock
 
 KINDS = ("mutex", "semaphore", "rwlock")
 

@@ -24,7 +24,7 @@ from _lockworker import emit, run
 from _primitiveworker import barrier
 
 from aiolocks import RedisRegistry
-from aiolocks._context import context_for
+from aiolocks._engine._context import context_for
 
 
 def name_for(mode: str, index: int) -> str:

@@ -1,0 +1,131 @@
+"""The vocabulary every layer of the engine shares: what a primitive gives it (`Spec`), its
+scripts' replies, what failures of a call mean, and how an acquisition ends (`Grant`, `Miss`).
+
+Script conventions (see `_scripts/*.lua`):
+
+- member = "<token>:<ttl_ms>:<tag>:<kind>", the acquisition's queue entry; tag names the
+  caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
+  published, as the caller wakes that waiter from the reply.
+- acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args; returns
+  {1, fence, grants...} granted, {0, wait_ms, floor, grants...} queued, {-1, wait_ms,
+  floor, grants...} busy and not queued (wait_ms: until the first lease in the way ends,
+  -1 unknown; floor: the name's fence floor, above every fence handed out before the call
+  and below every later one: a grant of the token at or below it is stale), {-2, value}
+  refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
+- release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
+  whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
+  with every grant it made.
+- renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
+  ARGV = token, ttl_ms; returns 1 while still held.
+- heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
+  waiter); see `_leases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._scripts import Script
+from . import _telemetry
+from ._errors import (
+    CLUSTERDOWN_ERRORS,
+    CONNECTION_ERRORS,
+    READONLY_ERRORS,
+    TIMEOUT_ERRORS,
+    TRYAGAIN_ERRORS,
+)
+
+__all__ = [
+    "BUSY",
+    "GRANTED",
+    "LOST_REPLY",
+    "PASSING_OUTAGE",
+    "QUEUED",
+    "REFUSED",
+    "RETRY_MAX",
+    "RETRY_MIN",
+    "Grant",
+    "Miss",
+    "Spec",
+    "first_grant",
+]
+
+# The acquire script's statuses (the first element of its reply).
+GRANTED, QUEUED, BUSY, REFUSED = 1, 0, -1, -2
+
+# What a server that restarts or fails over answers for a while: a queued waiter waits on,
+# and a clean-up tries again.
+PASSING_OUTAGE = (
+    *CONNECTION_ERRORS,  # BusyLoadingError too: a restart loading its data
+    *TIMEOUT_ERRORS,
+    *CLUSTERDOWN_ERRORS,  # a Cluster node back but not yet serving its slots
+    *TRYAGAIN_ERRORS,  # a slot in the middle of a move
+    *READONLY_ERRORS,  # a demoted primary, before the client finds the new one
+)
+# Back-off between re-tries while Redis cannot be reached.
+RETRY_MIN, RETRY_MAX = 0.05, 2.0
+# A call cut off by these may or may not have run on the server.
+LOST_REPLY = (*CONNECTION_ERRORS, *TIMEOUT_ERRORS)
+
+
+def first_grant(status: int) -> int:
+    """Where the grants an acquire reply with `status` reports begin (token, fence, ttl
+    triples): after the fence floor of a queued or busy reply."""
+    return 2 if status in (GRANTED, REFUSED) else 3
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What a primitive instance gives the engine: its keys, channel and scripts."""
+
+    name: str
+    kind: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side
+    keys: tuple[bytes, ...]
+    heartbeat_keys: tuple[bytes, ...]  # the waiters key, then the keys kept alive with it
+    channel: bytes
+    watch_key: bytes | None  # a key whose del/expired events mean "re-check"
+    acquire: Script
+    release: Script
+    renew: Script
+    renew_keys: tuple[bytes, ...]
+    args: tuple[Any, ...] = ()
+    # Several holders at once (a semaphore, a read-write lock): a grant ends no lease.
+    shared: bool = False
+    # Builds the error for a REFUSED reply (given the stored value); primitives that store
+    # configuration set it.
+    refused: Callable[[int], Exception] | None = None
+    # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
+    counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A successful acquisition: its fence, and when its lease started counting (monotonic)."""
+
+    token: str
+    fence: int
+    granted_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """Why an acquisition ended without the primitive: what the caller's error tells."""
+
+    unanswered: bool  # the server had not answered the call in flight when time ran out
+    wait_ms: int = -1  # the last answer: until the first lease in the way ends (-1 unknown)
+    failure: str | None = None  # the last re-check's connection error, if it failed
+
+    def situation(self) -> str:
+        """The situation, in words, for `LockTimeout`'s message."""
+        if self.unanswered:
+            return "Redis did not answer in time (a stalled server or link, not contention)"
+        if self.failure is not None:
+            return f"Redis could not be reached at the last re-check ({self.failure})"
+        if self.wait_ms >= 0:
+            return (
+                "held by another holder (the first lease in the way had "
+                f"{self.wait_ms} ms left at the last check)"
+            )
+        return "held by another holder"

@@ -1,0 +1,349 @@
+"""The one acquisition every primitive runs: try its script, park, re-try until granted.
+
+A primitive supplies a `Spec` (`_spec`); `acquire` runs an `_Acquisition` through a few
+states, one method each, so no primitive re-implements waiting, subscription, heartbeats
+or the clean-up:
+
+    start ─(blocking, channel watched here)─> PARK        (else TRY)
+    TRY     call the acquire script ('try'; 'wait' once parked: it queues the token)
+            ─granted─> done        ─busy, not blocking─> done (Miss)
+            ─queued/busy─> PARK (not parked yet) or SLEEP
+            ─Redis unreachable, parked and answered before─> OUTAGE
+            ─reconfigured meanwhile (a stale spec refused)─> TRY
+    PARK    join the local queue (heartbeats), subscribe to the channel ─> TRY
+    SLEEP   wait for a grant, a re-check hint, the lot's lease timer or the deadline
+            ─granted─> done    ─deadline─> done (Miss)    ─else─> TRY
+    OUTAGE  past the deadline: done (Miss); else a back-off ─granted─> done  ─else─> TRY
+
+"granted ─> done" is "─> TRY" instead for a grant learnt too late to trust its lease
+(`_confirm.LateGrants`: the script re-run confirms it). However it ends (a grant, a miss,
+an error, a cancellation), `_Acquisition.leave` takes the waiter out of the local queue
+and, if the server may hold state for the token, withdraws it (`_withdraw.withdraw`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from .._base._cancel import cancelling
+from .._base._errors import (
+    AUTHENTICATION_ERRORS,
+    INVALID_RESPONSE_ERRORS,
+    NOPERMISSION_ERRORS,
+    REDIS_ERRORS,
+)
+from .._base._spec import (
+    BUSY,
+    GRANTED,
+    LOST_REPLY,
+    PASSING_OUTAGE,
+    QUEUED,
+    REFUSED,
+    RETRY_MAX,
+    RETRY_MIN,
+    Grant,
+    Miss,
+    Spec,
+    first_grant,
+)
+from .._waiting._lot import Waiter, Wake
+from ._awaiting import bounded, unstopped
+from ._confirm import LateGrants
+from ._context import ClientContext
+from ._release import wake_granted
+from ._withdraw import CLEANUP_BOUND, GRACE, answered, background_release, withdraw
+
+__all__ = ["TRY_BOUND", "acquire"]
+
+# One try (blocking=False) waits for the server at most the client's socket_timeout, or
+# this long when it has none; past it the call raises ServerUnavailable.
+TRY_BOUND = 2.0
+
+_NOT_SUBSCRIBED: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
+_UNANSWERED: tuple[type[Exception], ...] = (*LOST_REPLY, *INVALID_RESPONSE_ERRORS, OSError)
+
+# An acquisition's miss before any answer.
+_NOT_YET = Miss(unanswered=False)
+
+log = logging.getLogger("aiolocks")
+
+
+def acquire(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    *,
+    blocking: bool,
+    deadline: float | None,
+    respec: Callable[[], Spec] | None = None,
+) -> Coroutine[Any, Any, Grant | Miss]:
+    """Acquire `spec` for `token` (the coroutine that does it, made here); a `Miss` when
+    not blocking and busy, or when `deadline` passed (blocking or not: a deadline bounds
+    the whole call, Redis round trips included).
+
+    Cancellation or an error at any point leaves nothing behind in Redis: a shielded,
+    bounded clean-up withdraws the token and, if it had been granted, hands the
+    primitive on; past the deadline it goes on in the background. `respec` gives the
+    instance's current spec: a refusal by a stale one (e.g. `set_limit()` meanwhile) is
+    retried with it.
+    """
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    late = LateGrants(ttl_ms)
+    return _Acquisition(
+        context, spec, respec, token, ttl_ms, blocking, deadline, member, late
+    ).run()
+
+
+class _State(enum.Enum):
+    TRY = "try"
+    PARK = "park"
+    SLEEP = "sleep"
+    OUTAGE = "outage"
+
+
+TRY, PARK, SLEEP, OUTAGE = _State
+# What a state leads to: the next state, or how the acquisition ends.
+_Next: TypeAlias = "_State | Grant | Miss"
+
+
+@dataclass(eq=False, slots=True)
+class _Acquisition:
+    """One call of `acquire`: what it has learnt so far, and one method per state."""
+
+    context: ClientContext
+    spec: Spec  # the instance's, renewed by `respec` when a stale one is refused
+    respec: Callable[[], Spec] | None
+    token: str
+    ttl_ms: int
+    blocking: bool
+    deadline: float | None
+    member: str  # its queue entry
+    late: LateGrants
+    waiter: Waiter | None = None  # parked: its place in the local queue
+    subscribed: bool = False  # it holds a reference on the channel's subscription
+    on_server: bool = False  # the server may hold state for this token (queued, granted)
+    answered: bool = False  # the server answered it once: an outage is waited out now
+    unanswered: bool = False  # it ends as Redis left a call unanswered: a short clean-up
+    backoff: float = RETRY_MIN  # the next wait while Redis cannot be reached
+    miss: Miss = _NOT_YET  # what it ends with if time runs out now
+    # Its last acquire call: when it was made, when it went out (behind a burst: later)
+    # and, while unanswered, the task that carries it on (`unstopped`).
+    sent_at: float = 0.0
+    written: list[float] = field(default_factory=list)
+    in_flight: asyncio.Future[Any] | None = None
+
+    async def run(self) -> Grant | Miss:
+        """The state diagram of the module docstring, then `leave`."""
+        try:
+            step: _Next = PARK if self.parks_first() else TRY
+            while isinstance(step, _State):
+                if step is TRY:
+                    step = await self.try_script()
+                elif step is PARK:
+                    step = await self.park()
+                elif step is SLEEP:
+                    step = self.woken(await self.parked().sleep())
+                else:  # OUTAGE
+                    step = await self.outage()
+            return step  # a Grant or a Miss
+        except TimeoutError:
+            # `bounded` ran out of time while Redis was slow: same as the deadline.
+            return Miss(unanswered=True, wait_ms=self.miss.wait_ms)
+        except _UNANSWERED:
+            self.unanswered = True  # the caller learns it now; the clean-up can only wait
+            raise
+        finally:
+            await self.leave()
+
+    def parks_first(self) -> bool:
+        """Blocking, on a channel this client already watches: contended, most likely, so it
+        parks before its first call, which then queues it."""
+        return self.blocking and self.context.notifier.watching(self.spec.channel)
+
+    async def try_script(self) -> _Next:
+        """TRY: run the acquire script and go by its answer."""
+        try:
+            reply = await self.call()
+        except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
+            self.on_server = self.answered  # refused before it ran: nothing changed by this call
+            raise
+        except PASSING_OUTAGE as exc:
+            if not self.answered or self.waiter is None or cancelling():
+                raise  # the first try: the caller learns Redis is unreachable
+            # Queued already: a server that restarts or fails over must not end the wait.
+            log.debug("aiolocks: re-check of %r failed; retrying", self.spec.name, exc_info=True)
+            self.miss = Miss(unanswered=False, wait_ms=self.miss.wait_ms, failure=repr(exc))
+            return OUTAGE
+        self.backoff, self.answered = RETRY_MIN, True
+        if self.written:
+            self.sent_at = self.written[0]
+        return self.answer(reply)
+
+    async def call(self) -> list[Any]:
+        """One acquire call, awaited until the deadline; a call that may grant or queue the
+        token is left to finish if the caller leaves (`unstopped`)."""
+        context, spec, waiter = self.context, self.spec, self.waiter
+        self.sent_at = time.monotonic()
+        if waiter is not None and waiter.queued_at == 0.0:
+            waiter.still_queued(self.sent_at)  # unknown to the server before this call
+        self.on_server = True
+        written: list[float] = []
+        self.written = written
+        mode = "try" if waiter is None else "wait"
+        pending = context.run(
+            spec.acquire,
+            spec.keys,
+            (self.member, mode, spec.channel, *spec.args),
+            sent=written.append,
+        )
+        self.in_flight = unstopped(context, pending)
+        reply: list[Any] = await bounded(
+            pending if self.in_flight is None else asyncio.shield(self.in_flight), self.deadline
+        )
+        self.in_flight = None
+        return reply
+
+    def answer(self, reply: list[Any]) -> _Next:
+        """Where an acquire reply leads: the grants it made (this token's, other local
+        waiters'), or whether to park or sleep."""
+        waiter, sent_at = self.waiter, self.sent_at
+        status, value = int(reply[0]), int(reply[1])
+        grants = first_grant(status)
+        if waiter is not None and grants == 3:  # queued, busy: the fence floor first
+            waiter.not_holding(int(reply[2]))  # drops a grant this answer overtook
+        if len(reply) > grants:
+            wake_granted(self.context, self.spec, reply, grants, sent_at)  # maybe local ones
+        if status == GRANTED:
+            return self.granted(value, sent_at)  # late: answered after a stall, re-run
+        if status == REFUSED:
+            return self.refused(value)
+        self.miss = Miss(unanswered=False, wait_ms=value)
+        if waiter is not None:
+            if status == QUEUED:
+                waiter.still_queued(sent_at)
+            if waiter.fence is not None:
+                return self.granted(waiter.fence, waiter.granted_at)
+        if status == BUSY:
+            self.on_server = False
+            if not self.blocking:
+                return self.miss
+        if waiter is None:
+            return PARK
+        # Unknown (or a holder key without expiry, not set by us): wait a ttl, not a spin.
+        waiter.lot.note_lease(value if value >= 0 else self.ttl_ms)
+        return SLEEP
+
+    def refused(self, stored: int) -> _Next:
+        """The script refused a configuration other than the stored one (`stored`)."""
+        fresh = None if self.respec is None else self.respec()
+        if fresh is not None and fresh.args != self.spec.args:
+            self.spec = fresh  # reconfigured meanwhile (set_limit): go on with the new one
+            return TRY
+        self.on_server = self.waiter is not None  # an earlier call may have queued it
+        assert self.spec.refused is not None, "a script refused without a reason"
+        raise self.spec.refused(stored)
+
+    async def park(self) -> _Next:
+        """PARK: join the local queue (the keeper heartbeats it) and subscribe."""
+        context, spec = self.context, self.spec
+        waiter = context.waitqueue.park(
+            spec.channel, self.token, self.ttl_ms, spec.kind, spec.shared, self.deadline
+        )
+        self.waiter = waiter
+        context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
+        self.subscribed = await _subscribe(context, spec, self.deadline)
+        return TRY
+
+    async def outage(self) -> _Next:
+        """OUTAGE: Redis could not be reached; re-try after a back-off (or sooner, on a
+        reconnect or a grant), until the caller's own deadline."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return self.miss
+        waiter = self.parked()
+        wake = await waiter.sleep(time.monotonic() + self.backoff)
+        self.backoff = min(self.backoff * 2, RETRY_MAX)
+        return self.granted_to(waiter) if wake is Wake.GRANTED else TRY
+
+    def woken(self, wake: Wake) -> _Next:
+        """Where a parked waiter's wake leads: its grant, its deadline, or a re-try."""
+        if wake is Wake.GRANTED:
+            return self.granted_to(self.parked())
+        if wake is Wake.DEADLINE:
+            return self.miss
+        return TRY
+
+    def granted_to(self, waiter: Waiter) -> _Next:
+        assert waiter.fence is not None
+        return self.granted(waiter.fence, waiter.granted_at)
+
+    def granted(self, fence: int, at: float) -> _Next:
+        """A grant whose lease counts from `at`: the end, unless it came too late (TRY)."""
+        if self.late.confirm(at, self.waiter):
+            return TRY
+        self.on_server = False
+        return Grant(self.token, fence, at)
+
+    def parked(self) -> Waiter:
+        assert self.waiter is not None
+        return self.waiter
+
+    async def leave(self) -> None:
+        """However it ended: leave the local queue and the subscription, and withdraw what
+        the server may hold for the token."""
+        context, spec, waiter = self.context, self.spec, self.waiter
+        if waiter is not None:
+            context.waitqueue.remove(waiter)
+            context.keeper.unwatch_waiter(spec.heartbeat_keys, waiter)
+        if self.subscribed:
+            context.notifier.release(spec.channel)
+        if self.on_server:
+            await self.withdraw()
+
+    async def withdraw(self) -> None:
+        context, spec, token, ttl_ms = self.context, self.spec, self.token, self.ttl_ms
+        if context.autopipe is None:
+            # Its clean-up may overtake, on another connection, a call that grants or
+            # queues it (through the auto-pipeline, one connection keeps their order): a
+            # grant read for it from now on is handed on. Past the ttl (and the bound of
+            # a clean-up) any entry such a call left has been purged.
+            within = ttl_ms / 1000.0 + CLEANUP_BOUND
+            hand_on = functools.partial(background_release, context, spec, token, ttl_ms)
+            context.waitqueue.depart(token, within, hand_on)
+        # Awaited until the caller's deadline (a little past it), or, without one, up to
+        # CLEANUP_BOUND; past that it goes on in the background.
+        deadline = self.deadline
+        until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
+        if self.unanswered:
+            until = time.monotonic() + GRACE
+        after = None
+        if self.in_flight is not None:
+            after = answered(context, spec, self.in_flight, self.sent_at, self.written)
+        await withdraw(context, spec, token, ttl_ms, until, after=after)
+
+
+async def _subscribe(context: ClientContext, spec: Spec, deadline: float | None) -> bool:
+    """Subscribe (`Notifier.retain`) for a parked waiter; False when it holds no reference.
+
+    The notifier tolerates a failed subscription (the waiter wakes on its timer); a failure
+    of what it asks the server first (`CONFIG GET`, once per client) is tolerated the same
+    way: the server has answered this acquisition, and one lost command must not end it.
+    The next waiter asks again.
+    """
+    try:
+        await bounded(context.notifier.retain(spec.channel, spec.watch_key), deadline)
+    except TimeoutError:
+        raise  # the caller's deadline (a builtin TimeoutError is an OSError too)
+    except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
+        raise
+    except _NOT_SUBSCRIBED as exc:
+        log.debug("aiolocks: no subscription for %r (%r); waiting on its timer", spec.name, exc)
+        return False
+    return True

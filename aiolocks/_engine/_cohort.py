@@ -1,0 +1,335 @@
+"""Local hand-off (lock cohorting): a process that holds a lease passes it among its own
+waiting tasks, up to a bound, before it goes back to the global FIFO queue.
+
+After Dice, Marathe and Shavit, "Lock Cohorting" (PPoPP 2012). The tasks of one process
+that want one lock with the same settings form a cohort. At most one of them (the
+contender) acquires through Redis at a time; the others wait here, in FIFO order, without
+any Redis state. When the cohort holds the lease, a release hands it to the next local
+task without a round trip, up to `bound` times in a row; then the release script is asked
+to give it to the global queue, or, when nobody waits there, to let the cohort keep it.
+
+Fences stay strictly increasing across all holders: a cohort's token ends in "+<bound+1>"
+and every grant of it reserves that many consecutive fences (see `_prelude.lua`); local
+hand-offs use the rest of the block, and any later grant is above it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import time
+from collections import deque
+from typing import Any, Protocol
+
+from .._base import _telemetry
+from .._base._spec import Grant, Spec
+from .._leases._lease import Callbacks, Lease, LeaseOwner, validity
+from . import _awaiting, _release, _withdraw
+from ._awaiting import Unanswered
+from ._context import ClientContext
+from ._holding import Holding
+
+__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
+
+
+MAX_LOCAL_HANDOFF = 10_000
+
+_Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
+
+# Where a context keeps its cohorts (`ClientContext.extensions`): the context, below this
+# module, holds them without knowing their type, and frees them with itself.
+_EXTENSION = "cohorts"
+
+
+class Member(Protocol):
+    """What a cohort calls on a lock whose tasks it serves (`LeasedLock` is one)."""
+
+    _spec: Spec
+    _holdings: dict[asyncio.Task[Any], Holding]
+
+    async def _acquire_grant(
+        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+    ) -> Grant | None: ...
+
+    def _new_lease(self, grant: Grant, owner: LeaseOwner) -> Lease: ...
+
+    def _install(
+        self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
+    ) -> Holding: ...
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None: ...
+
+
+class _Turn(enum.Enum):
+    """What a waiting task of the cohort is told."""
+
+    HOLD = "hold"  # it holds the lock now, handed on locally
+    CONTEND = "contend"  # it is the cohort's contender now: acquire through Redis
+
+
+class _LocalWaiter:
+    __slots__ = ("future", "lock", "task")
+
+    def __init__(self, lock: Member, task: asyncio.Task[Any]) -> None:
+        self.lock = lock
+        self.task = task
+        self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
+
+
+def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
+    """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
+    cohorts: dict[_Key, Cohort] | None = context.extensions.get(_EXTENSION)
+    if cohorts is None:
+        cohorts = context.extensions[_EXTENSION] = {}
+    return cohorts
+
+
+def cohort_for(context: ClientContext, spec: Spec, ttl_ms: int, bound: int) -> Cohort:
+    """The cohort of this process for one lock and one setting of ttl and bound."""
+    key = (spec.channel, ttl_ms, bound)
+    cohorts = cohorts_of(context)
+    cohort = cohorts.get(key)
+    if cohort is None:
+        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, bound)
+    return cohort
+
+
+def cohort_token(token: str, bound: int) -> str:
+    """The token a cohort acquires with: a grant of it reserves `bound + 1` fences."""
+    return f"{token}+{bound + 1}"
+
+
+class Cohort:
+    """The tasks of one process (one client, one loop) that want one lock with one setting
+    of `ttl` and `local_handoff`."""
+
+    def __init__(self, context: ClientContext, spec: Spec, ttl_ms: int, bound: int):
+        self._context = context
+        self._cohorts = cohorts_of(context)  # where it is kept while in use
+        self._key = (spec.channel, ttl_ms, bound)
+        self._spec = spec
+        self._ttl_ms = ttl_ms
+        self.bound = bound
+        self._queue: deque[_LocalWaiter] = deque()
+        self._contending = False  # a task is acquiring through Redis for the cohort
+        self.token: str | None = None  # the cohort's lease on the server, while it has one
+        self._lease: Lease | None = None
+        self._next_fence = 0
+        self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
+        self._holder: tuple[Member, Holding] | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self.token is None and not self._contending and not self._queue
+
+    # -- acquire ---------------------------------------------------------------------------
+
+    async def acquire(
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+    ) -> bool:
+        """Acquire for `task`: through Redis if the cohort is idle, else after the local
+        tasks ahead of it (or as the next contender, if the lease leaves the process)."""
+        try:
+            return await self._acquire(lock, task, blocking, deadline)
+        finally:
+            self._retire_if_idle()
+
+    async def _acquire(
+        self, lock: Member, task: asyncio.Task[Any], blocking: bool, deadline: float | None
+    ) -> bool:
+        if self.idle:
+            return await self._contend(lock, task, blocking, deadline)
+        if not blocking:
+            return False  # busy here: held by, or being acquired for, another local task
+        waiter = _LocalWaiter(lock, task)
+        self._queue.append(waiter)
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait((waiter.future,), timeout=timeout)
+        except BaseException:
+            await self._abandon(waiter)
+            raise
+        if not waiter.future.done():
+            await self._abandon(waiter)
+            return False
+        if waiter.future.result() is _Turn.HOLD:
+            return True
+        return await self._contend(lock, task, True, deadline)
+
+    async def _abandon(self, waiter: _LocalWaiter) -> None:
+        """A waiting task gives up (timeout, cancellation): whatever it was handed meanwhile
+        goes on to the next task."""
+        if not waiter.future.done():
+            waiter.future.cancel()
+            self._queue.remove(waiter)
+            return
+        if waiter.future.result() is _Turn.CONTEND:
+            self._contending = False
+            self._promote()
+            return
+        holding = waiter.lock._holdings.pop(waiter.task, None)
+        if holding is not None:
+            await _awaiting.shielded(
+                lambda: self.release(waiter.lock, holding), _withdraw.CLEANUP_BOUND
+            )
+
+    async def _contend(
+        self,
+        lock: Member,
+        task: asyncio.Task[Any],
+        blocking: bool,
+        deadline: float | None,
+    ) -> bool:
+        self._contending = True  # already, for a task promoted to it
+        grant = None
+        try:
+            grant = await lock._acquire_grant(self._context, self.bound, blocking, deadline)
+        finally:
+            self._contending = False
+            if grant is None:
+                self._promote()
+        if grant is None:
+            return False
+        self.token = grant.token
+        self._next_fence = grant.fence + 1
+        self.passes = 0
+        give_back = functools.partial(
+            _release.release, self._context, self._spec, grant.token, self._ttl_ms
+        )
+        lease = lock._new_lease(grant, Callbacks(self._lost, give_back))
+        self._lease = lease
+        self._context.keeper.hold(lease)
+        self._give(lock, task, grant.fence)
+        return True
+
+    def _give(self, lock: Member, task: asyncio.Task[Any], fence: int) -> None:
+        assert self.token is not None and self._lease is not None
+        holding = lock._install(task, self.token, fence, self._lease)
+        self._holder = (lock, holding)
+
+    def _promote(self) -> None:
+        """Make the first waiting task the contender, if nobody is contending or holding."""
+        if self._contending or self.token is not None:
+            return
+        waiter = self._next_waiter()
+        if waiter is not None:
+            self._contending = True
+            waiter.future.set_result(_Turn.CONTEND)
+
+    def _next_waiter(self) -> _LocalWaiter | None:
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.future.done():
+                return waiter
+        return None
+
+    # -- release ---------------------------------------------------------------------------
+
+    async def release(
+        self, lock: Member, holding: Holding, until: float | None = None
+    ) -> bool | Unanswered | None:
+        """Release `holding` (already taken from `lock`): hand it to the next local task, or
+        give the lease back through Redis. Returns True when it was held (False if not,
+        None if unsure: see `_release.release`); UNANSWERED when Redis did not answer by
+        `until` (the lease's validity; the call then goes on in the background)."""
+        try:
+            if self._holder is not None and self._holder[1] is holding:
+                self._holder = None
+            if holding.token != self.token:
+                # The cohort let go of it already (lost): only tidy up on the server.
+                return await _release.release(
+                    self._context, self._spec, holding.token, self._ttl_ms
+                )
+            lease = self._lease
+            if lease is not None and lease.remaining <= 0:
+                # Its validity ended unrenewed (a stalled loop): not passed on locally (the
+                # server may have ended it), but given back; the holder learns it is lost,
+                # as a mutex holder releasing past its validity does.
+                answer = await _awaiting.answered_by(self._return(holding.token), until)
+                return answer if isinstance(answer, _awaiting.Unanswered) else False
+            waiter = self._next_waiter()
+            if waiter is not None and self.passes < self.bound:
+                self._pass(waiter, lock._spec)
+                return True
+            if waiter is not None:
+                self._queue.appendleft(waiter)
+                return await _awaiting.answered_by(
+                    self._keep_or_return(holding.token, lock._spec), until
+                )
+            if until is None:
+                return await self._return(holding.token)
+            return await _awaiting.answered_by(self._return(holding.token), until)
+        finally:
+            self._retire_if_idle()
+
+    def _pass(self, waiter: _LocalWaiter, releaser: Spec) -> None:
+        fence, self._next_fence = self._next_fence, self._next_fence + 1
+        self.passes += 1
+        _telemetry.on_handoff(releaser, 1, local=True)
+        self._give(waiter.lock, waiter.task, fence)
+        waiter.future.set_result(_Turn.HOLD)
+
+    async def _keep_or_return(self, token: str, releaser: Spec) -> bool | None:
+        """The bound is reached with local tasks waiting: the release script gives the lease
+        to the global queue, or, when nobody waits there, lets the cohort keep it with a
+        fresh lease and fence block (one round trip either way)."""
+        context, spec = self._context, self._spec
+        sent_at = time.monotonic()
+        try:
+            reply, unsure = await _release.release_reply(context, spec, token, self._ttl_ms, "keep")
+        except BaseException:
+            self._let_go()
+            self._promote()
+            raise
+        status = int(reply[0])
+        if status != 2:
+            _release.wake_granted(context, spec, reply, 1, sent_at)
+            _telemetry.on_handoff(releaser, (len(reply) - 1) // 3)
+            self._let_go()
+            self._promote()
+            return None if unsure and status == 0 else status == 1
+        if self.token != token or self._lease is None:
+            # Lost while the call was in flight, yet kept: give it straight back.
+            await _release.release(context, spec, token, self._ttl_ms)
+            return True
+        self._lease.valid_until = validity(sent_at, self._lease.ttl)
+        self._lease.next_due = sent_at + self._lease.ttl / 3
+        self._next_fence = int(reply[1])
+        waiter = self._next_waiter()
+        if waiter is None:  # it gave up while the call was in flight
+            await self._return(token)
+            return True
+        self._pass(waiter, releaser)
+        self.passes = 0  # a new block: that pass came from Redis
+        return True
+
+    async def _return(self, token: str) -> bool | None:
+        """Give the lease back to Redis (which hands it to the global queue's head)."""
+        self._let_go()
+        try:
+            return await _withdraw.release_surely(self._context, self._spec, token, self._ttl_ms)
+        finally:
+            self._promote()
+
+    def _retire_if_idle(self) -> None:
+        """Forget this cohort once nobody uses it (names may be many and short-lived)."""
+        if self.idle and self._cohorts.get(self._key) is self:
+            del self._cohorts[self._key]
+
+    def _let_go(self) -> None:
+        """The cohort no longer holds the lease (released, handed on, or lost)."""
+        if self._lease is not None:
+            self._context.keeper.drop(self._lease)
+        self.token = None
+        self._lease = None
+
+    def _lost(self, reason: str) -> None:
+        """The keeper lost the cohort's lease: its current local holder is told as any
+        holder would be, and the waiting tasks go on through Redis."""
+        holder, self._holder = self._holder, None
+        self._let_go()
+        if holder is not None:
+            lock, holding = holder
+            lock._lease_lost(holding, reason)
+        self._promote()

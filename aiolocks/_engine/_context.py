@@ -1,0 +1,197 @@
+"""Per-client engine state: the script runner with the wait queue, notifier and lease keeper.
+
+There is one `ClientContext` per (client, event loop). Every primitive built on the same
+client shares it, so 10,000 waiting tasks share one pub/sub connection, one renewal task
+and one auto-pipelined connection for their script calls (or, with auto-pipelining off
+and on Cluster, a bounded number of in-flight commands). The context is a `ScriptRunner`
+(`_runner.py`) that also owns the rest of the bundle and ends it with the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from .._base import _adapter
+from .._base._clients import AnyRedis
+from .._base._coalesce import Coalescer
+from .._leases._keeper import LeaseKeeper
+from .._transport._gate import Gate
+from .._transport._runner import ScriptRunner
+from .._waiting._notifier import Notifier
+from .._waiting._waitqueue import WaitQueue
+
+__all__ = ["ClientContext", "context_for", "open_context"]
+
+log = logging.getLogger("aiolocks")
+
+# Releases one client has in flight at most: four times the calls the auto-pipeline's
+# link carries at once, so it always has the next batches queued.
+RELEASES_IN_FLIGHT = 4096
+
+# When the event loop ends (`asyncio.run()` returning, a web server shutting down), what
+# is still held is released, waited for this long at most; past it a lease ends by its ttl.
+SHUTDOWN_BOUND = 1.0
+
+# Contexts live on the client itself (client <-> context is an ordinary cycle the garbage
+# collector frees with the client), one per event loop the client is used from.
+_ATTRIBUTE = "_aiolocks_contexts"
+
+
+def context_for(client: AnyRedis) -> ClientContext:
+    """The engine state of `client` on the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
+        client, _ATTRIBUTE, None
+    )
+    if per_loop is None:
+        per_loop = {}
+        setattr(client, _ATTRIBUTE, per_loop)
+    context = per_loop.get(loop)
+    if context is None or context.closed:
+        _check_other_loops(client, per_loop, loop)
+        context = per_loop[loop] = ClientContext(client)
+    return context
+
+
+def open_context(client: AnyRedis) -> ClientContext | None:
+    """The engine state of `client` on the running event loop if it has one, never created
+    (for a callback that may run after the client's engine was closed)."""
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
+        client, _ATTRIBUTE, None
+    )
+    context = None if per_loop is None else per_loop.get(asyncio.get_running_loop())
+    return None if context is None or context.closed else context
+
+
+def _check_other_loops(
+    client: AnyRedis,
+    per_loop: dict[asyncio.AbstractEventLoop, ClientContext],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Refuse a client whose connections belong to another event loop (redis-py binds each
+    connection to the loop that opened it; used from another, it fails at some later call,
+    or at `aclose()`). Runs once per client and loop, off the hot path.
+
+    Allowed: a client used again after its loop ended, once `await client.aclose()` has
+    closed its connections on that loop (redis-py then opens new ones on the new loop)."""
+    for other in list(per_loop):
+        if other is loop:
+            continue
+        if not other.is_closed():
+            raise RuntimeError(
+                f"this Redis client is in use on another event loop ({_describe(other)}); "
+                "redis-py binds a client's connections to one loop: make one client per "
+                "event loop (per thread that runs one)"
+            )
+        if _adapter.holds_connections(client):
+            raise RuntimeError(
+                "this Redis client was used on an event loop that has ended, and still "
+                "holds connections opened on it (redis-py binds them to that loop): "
+                "`await client.aclose()` before the loop ends, or make one client per "
+                "event loop (per asyncio.run())"
+            )
+        del per_loop[other]  # a client closed, then reused by a later asyncio.run()
+
+
+def _describe(loop: asyncio.AbstractEventLoop) -> str:
+    state = "running" if loop.is_running() else "not closed"
+    return f"{type(loop).__name__} at {id(loop):#x}, {state}"
+
+
+class ClientContext(ScriptRunner):
+    """Everything the engine keeps for one client on one event loop: the script runner it
+    is, with the wait queue, the notifier, the lease keeper and the loop's end."""
+
+    def __init__(self, client: AnyRedis) -> None:
+        super().__init__(client)
+        self.waitqueue = WaitQueue()
+        self.notifier = Notifier(client, self.waitqueue, self.run)
+        self.keeper = LeaseKeeper(self)
+        # Releases in flight at most (a burst of exits queues for a place: see _gate.py).
+        self.releases = Gate(RELEASES_IN_FLIGHT)
+        # Registries' coalesced register() calls, by the registry's ids key.
+        self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
+        # What the layers above keep per context, each under its own name (the local
+        # hand-off cohorts of `_cohort.py`): held, and freed, with the context.
+        self.extensions: dict[str, Any] = {}
+        # Called when the engine stops on this client (closed, or its loop ending), so a
+        # layer above ends its own timers and tasks with it (the election observers' hubs).
+        self.on_stop: list[Callable[[], None]] = []
+        self.closed = False
+        # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
+        # the loop waits for them.
+        self.cleanups: set[asyncio.Future[Any]] = set()
+        self._loop_end: AsyncGenerator[None, None] | None = _watch_loop_end(self)
+
+    async def aclose(self) -> None:
+        """Stop the background tasks of this client (held leases are no longer renewed)."""
+        await self._stop()
+        watcher, self._loop_end = self._loop_end, None
+        if watcher is not None:
+            await watcher.aclose()
+
+    async def _stop(self) -> None:
+        self.closed = True
+        stopping, self.on_stop = self.on_stop, []
+        for stop in stopping:
+            stop()
+        await self.keeper.aclose()
+        await self.notifier.aclose()
+        await super()._stop()
+
+    async def _loop_ending(self) -> None:
+        """The event loop is ending (its tasks were cancelled, see `_watch_loop_end`):
+        release every lease still held and finish the clean-ups under way, within
+        `SHUTDOWN_BOUND`, then stop every task and close every connection of the engine."""
+        self._loop_end = None
+        if self.closed:
+            return
+        work: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(release()) for release in self.keeper.releases()
+        ]
+        work += [cleanup for cleanup in self.cleanups if not cleanup.done()]
+        if work:
+            _, late = await asyncio.wait(work, timeout=SHUTDOWN_BOUND)
+            for future in late:
+                future.cancel()
+            for outcome in await asyncio.gather(*work, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.debug("aiolocks: a release at the loop's end failed: %r", outcome)
+        await self._stop()
+        # redis-py binds a connection to its loop: an idle one is of no use after it
+        # (and a client so emptied may be used on another loop).
+        await _adapter.close_idle_connections(self.client)
+
+
+def _watch_loop_end(context: ClientContext) -> AsyncGenerator[None, None] | None:
+    """An async generator, started now, whose `finally` runs `context._loop_ending()`.
+
+    asyncio gives a library no callback when its loop ends, but `asyncio.run()` (and every
+    runner that ends a loop properly: asyncio.Runner, uvloop, uvicorn, pytest-asyncio)
+    first cancels the remaining tasks, then closes every async generator still suspended
+    (`loop.shutdown_asyncgens()`), still on the loop: that is when this one's `finally`
+    runs. The loop keeps only a weak reference to it, so the context keeps the generator.
+    None where the loop registers no async generators (then nothing runs at its end, and
+    leases still held end by their ttl)."""
+    loop = asyncio.get_running_loop()
+    if getattr(loop, "_asyncgens_shutdown_called", False):
+        return None  # already past that point: it would only warn
+    first_iteration, _ = sys.get_asyncgen_hooks()
+    if first_iteration is None:
+        return None
+    watcher = _until_loop_end(context)
+    with contextlib.suppress(StopIteration):
+        watcher.asend(None).send(None)  # to its `yield`: the loop's hook registers it
+    return watcher
+
+
+async def _until_loop_end(context: ClientContext) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await context._loop_ending()

@@ -1,0 +1,131 @@
+"""One pub/sub connection (to the server, or to one Cluster node) and what is done on it.
+
+A `Link` subscribes and unsubscribes channels, and keeps the count of its own
+unsubscriptions not yet confirmed, so that a stale confirmation is never taken for the
+server's. It takes re-connecting away from redis-py (whose retry re-connects inside a
+failed read, even after the client was closed): its reader re-connects by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .._base import _adapter
+from .._base._errors import REDIS_ERRORS
+
+__all__ = ["Link"]
+
+
+class Link:
+    """One pub/sub connection and its reader task (run by `Subscriptions`)."""
+
+    def __init__(self, name: str, client: Any) -> None:
+        self.name = name
+        self.client = client  # a redis.asyncio.Redis whose pubsub() this link uses
+        self.pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
+        self.reader: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()
+        self.saved_retry: tuple[Any, Any] | None = None
+        self.owns_client = False  # a per-node client made by the notifier, closed with it
+        # Unsubscriptions sent and not yet confirmed, by channel: the reader reads on until
+        # they are, so no stale confirmation is left in the socket for a later subscriber
+        # of the same name to take for an unsolicited one.
+        self.unsubscribing: dict[bytes, int] = {}
+
+    def expect_unsubscribed(self, name: bytes) -> None:
+        self.unsubscribing[name] = self.unsubscribing.get(name, 0) + 1
+
+    def unsubscribed(self, name: bytes) -> bool:
+        """True when a confirmation for `name` answers an unsubscription of ours."""
+        count = self.unsubscribing.get(name, 0)
+        if count <= 0:
+            return False
+        if count == 1:
+            del self.unsubscribing[name]
+        else:
+            self.unsubscribing[name] = count - 1
+        return True
+
+    @property
+    def reading(self) -> bool:
+        return self.reader is not None and not self.reader.done()
+
+    async def subscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
+        """Subscribe `wake` (SSUBSCRIBE if `sharded`) and `keyspace`; under `lock`."""
+        if self.pubsub is None:
+            self.pubsub = self.client.pubsub()
+        if sharded:
+            await _adapter.ssubscribe(self.pubsub, wake)
+        else:
+            await self.pubsub.subscribe(wake)
+        if keyspace is not None:  # keyspace events are never sharded
+            await self.pubsub.subscribe(keyspace)
+        self._own_reconnects()
+
+    async def unsubscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
+        """Unsubscribe what `subscribe` subscribed, if connected; errors are ignored (a
+        new connection subscribes afresh). Under `lock`."""
+        if self.pubsub is None:
+            return
+        with contextlib.suppress(*REDIS_ERRORS, OSError):
+            self.expect_unsubscribed(wake)
+            if sharded:
+                await _adapter.sunsubscribe(self.pubsub, wake)
+            else:
+                await self.pubsub.unsubscribe(wake)
+            if keyspace is not None:
+                self.expect_unsubscribed(keyspace)
+                await self.pubsub.unsubscribe(keyspace)
+
+    def _own_reconnects(self) -> None:
+        connection = self.pubsub.connection
+        if connection is None:
+            return
+        if self.saved_retry is None:
+            # redis-py's retry re-connects inside a failed read (even after the client was
+            # closed, and even while the loop shuts down, orphaning the new socket). The
+            # reader re-connects by itself, with a bounded back-off, so errors must reach
+            # it untouched. The client's policy is put back when the connection goes back.
+            self.saved_retry = (connection, connection.retry)
+            connection.retry = _Once()
+
+    async def disconnect(self) -> None:
+        """Drop the socket (after a failed read): the next read re-connects and
+        re-subscribes."""
+        connection = self.pubsub.connection
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.disconnect(), 1.0)
+
+    async def close(self) -> None:
+        """Close the pub/sub connection and forget its subscriptions (the next subscription
+        opens a new one). Only called when no reader is reading it."""
+        pubsub, self.pubsub = self.pubsub, None
+        self.unsubscribing.clear()
+        if self.saved_retry is not None:
+            connection, retry = self.saved_retry
+            connection.retry = retry
+            self.saved_retry = None
+        if pubsub is not None:
+            connection = pubsub.connection
+            with contextlib.suppress(Exception):
+                if connection is not None:
+                    # Nobody reads it now (callers see to that), so the close can be
+                    # awaited: the socket is shut even if the loop is about to close.
+                    await asyncio.wait_for(connection.disconnect(), 1.0)
+                await pubsub.aclose()
+
+
+class _Once(Retry):
+    """A retry policy that tries once and never re-connects on failure."""
+
+    def __init__(self) -> None:
+        super().__init__(NoBackoff(), 0)
+
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        return await do()
