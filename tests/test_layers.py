@@ -13,45 +13,22 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aiolocks"
 
-# Bottom to top; a module imports only modules of its own layer or a lower one. Names are
-# relative to `aiolocks` ("" is the package itself); a package stands for its submodules.
+# Bottom to top; a module's layer is its folder (the first part of its name relative to
+# `aiolocks`, "" being the package itself), and it imports only from its own layer or a lower
+# one. A private module lives in a layer folder, never directly under `aiolocks/`.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    (
-        "foundations",
-        frozenset({
-            "_errors", "_adapter", "_clients", "_keys", "_scripts", "_cancel", "_handle",
-            "_query", "_coalesce", "_telemetry", "_spec", "_embedded",
-        }),
-    ),
-    (
-        "per-client runner",
-        frozenset({"_autopipe", "_pipecall", "_pipelink", "_direct_reads", "_runner", "_gate"}),
-    ),
-    (
-        "waiting, notification, leases",
-        frozenset({
-            "_waitqueue", "_lot", "_notifier", "_pubsub", "_subscriptions", "_serverfacts",
-            "_leases", "_keeper", "_renewal", "_renewbatch",
-        }),
-    ),
-    (
-        "engine",
-        frozenset({
-            "_context", "_awaiting", "_release", "_withdraw", "_confirm", "_acquire",
-            "_cohort", "_settings", "_holding", "_lockcore", "_replicas", "_handover",
-            "_statistics", "_leasedlock",
-        }),
-    ),
-    (
-        "primitives",
-        frozenset({"mutex", "semaphore", "rwlock", "registry", "multilock", "election",
-                   "_observe"}),
-    ),
-    (
-        "integrations and CLI",
-        frozenset({"integrations", "cli", "otel", "_otel", "testing", "", "__main__"}),
-    ),
+    ("foundations", frozenset({"_base", "_scripts"})),
+    ("per-client runner", frozenset({"_transport"})),
+    ("waiting and notification", frozenset({"_waiting"})),
+    ("leases", frozenset({"_leases"})),
+    ("engine", frozenset({"_engine"})),
+    ("primitives", frozenset({"mutex", "semaphore", "rwlock", "registry", "multilock",
+                              "election"})),
+    ("on top", frozenset({"integrations", "cli", "otel", "testing", "", "__main__"})),
 )  # fmt: skip
+
+# The longest a module may grow before it is split.
+MAX_LINES = 400
 
 
 def modules() -> dict[str, Path]:
@@ -111,9 +88,10 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layer_of(name: str) -> int | None:
+    """The layer of a module: the one that lists its folder (or the module, at the top)."""
     top = name.partition(".")[0]
     for index, (_, members) in enumerate(LAYERS):
-        if name in members or top in members:
+        if top in members:
             return index
     return None
 
@@ -167,10 +145,37 @@ def _label(name: str) -> str:
 
 def test_the_graph_is_read_from_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "_keys" in graph["_handle"]  # `from ._keys import ...`
+    assert "_base._keys" in graph["_base._handle"]  # `from ._keys import ...`
     assert "cli" in graph["__main__"]  # `from .cli import main`: a name of the package
-    assert "_errors" in graph["cli._connect"]  # `from .._errors import ...`
-    assert "" in graph["_otel"]  # `from . import __version__`: the package itself
+    assert "_base._errors" in graph["cli._connect"]  # `from .._base._errors import ...`
+    assert "" in graph["otel._recorder"]  # `from .. import __version__`: the package itself
+    assert "_base._telemetry" in graph["otel"]  # `from .._base import _telemetry`: a module
+
+
+def test_no_private_module_outside_a_layer_folder() -> None:
+    loose = sorted(
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if path.name.startswith("_") and path.name not in {"__init__.py", "__main__.py"}
+    )
+    assert not loose, f"move these into the folder of their layer: {loose}"
+
+
+def test_every_layer_folder_says_what_it_holds() -> None:
+    for _, members in LAYERS:
+        for member in members:
+            init = PACKAGE / member / "__init__.py"
+            if member and init.exists():
+                assert ast.get_docstring(ast.parse(init.read_text())), f"{init}: no docstring"
+
+
+def test_no_module_is_too_long() -> None:
+    long = {
+        _label(name): count
+        for name, path in modules().items()
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines, to split: {long}"
 
 
 def test_every_module_has_a_layer() -> None:
@@ -199,8 +204,19 @@ def test_imports_go_downward() -> None:
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
 
 
+def folder_graph() -> dict[str, set[str]]:
+    """The import graph by folder: which layer folders (or top-level modules) each imports."""
+    graph: dict[str, set[str]] = {}
+    for name, imported in import_graph().items():
+        here = name.partition(".")[0]
+        graph.setdefault(here, set()).update(
+            there for there in (other.partition(".")[0] for other in imported) if there != here
+        )
+    return graph
+
+
 if __name__ == "__main__":
-    graph = import_graph()
+    graph = folder_graph()
     for number, (title, _) in enumerate(LAYERS):
         print(f"{number}. {title}")
         for name in sorted(name for name in graph if layer_of(name) == number):
