@@ -22,7 +22,6 @@ import redis.asyncio
 from _harness import CommandLog, counted_client, counted_sync_client
 
 from aiolocks import RedisMutex
-from aiolocks._engine._context import context_for
 
 T = TypeVar("T")
 
@@ -102,10 +101,16 @@ class AiolocksPeer(Peer):
         return f"aiolocks:mutex:{{{name}}}:owner"
 
     def engine_commands(self) -> int:
+        from aiolocks._engine._context import context_for
+
         return context_for(self.client).commands_sent
 
     async def close(self) -> None:
+        # Imported here: a worker may run an older aiolocks (bench_cost.py --tree), where the
+        # context lives elsewhere; its tasks then end with the worker's loop.
         with contextlib.suppress(Exception):
+            from aiolocks._engine._context import context_for
+
             await context_for(self.client).aclose()  # the pub/sub reader and the renewer
         await super().close()
 

@@ -233,9 +233,12 @@ class Worker:
         self._stderr = stderr
 
     @classmethod
-    async def start(cls, spec: dict[str, Any], pass_fds: Sequence[int] = ()) -> Worker:
+    async def start(
+        cls, spec: dict[str, Any], pass_fds: Sequence[int] = (), root: Path = ROOT
+    ) -> Worker:
+        """A worker running the aiolocks of the checkout at `root` (bench_cost's --tree)."""
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -247,6 +250,7 @@ class Worker:
             stderr=stderr,
             env=env,
             pass_fds=tuple(pass_fds),
+            limit=1 << 26,  # a report line carries every record of the worker's run
         )
         return cls(process, stderr)
 
@@ -283,11 +287,13 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def workers(specs: Sequence[dict[str, Any]], fds: Sequence[Sequence[int]] = ()) -> Any:
+async def workers(
+    specs: Sequence[dict[str, Any]], fds: Sequence[Sequence[int]] = (), root: Path = ROOT
+) -> Any:
     started: list[Worker] = []
     try:
         for i, spec in enumerate(specs):
-            started.append(await Worker.start(spec, fds[i] if fds else ()))
+            started.append(await Worker.start(spec, fds[i] if fds else (), root))
         yield started
     finally:
         for worker in started:
@@ -309,6 +315,8 @@ async def worker_main(spec: dict[str, Any]) -> None:
     async with opened(BY_KEY[spec["peer"]], spec["url"], ttl, renew) as peer:
         if role == "contend":
             await warm(peer, spec["tasks"] + 2)
+            if spec.get("warmup"):  # uncontended cycles first (bench_cost.py)
+                await contend(peer, tasks=1, iterations=spec["warmup"], critical=False, cap=60)
         emit({"event": "ready"})
         await stdin.readline()  # "go"
         mark = peer.log.mark()
@@ -317,7 +325,7 @@ async def worker_main(spec: dict[str, Any]) -> None:
                 peer,
                 tasks=spec["tasks"],
                 iterations=spec["iterations"],
-                critical=True,
+                critical=spec.get("critical", True),
                 cap=spec["cap"],
                 prefix=spec["prefix"],
             )
@@ -413,27 +421,47 @@ async def processes(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any
         result = await contended(peer_cls, url, floor_plan)
         result["note"] = f"one process x {floor_plan.tasks} tasks (cannot span processes)"
         return result
+    specs = [
+        {
+            "role": "contend",
+            "peer": peer_cls.key,
+            "url": url,
+            "tasks": plan.tasks_per_process,
+            "iterations": plan.process_iterations,
+            "cap": plan.cap_s,
+            "prefix": f"p{i}:",
+        }
+        for i in range(plan.processes)
+    ]
+    result, merged = await contend_in_workers(url, specs, expected, plan.cap_s)
+    holders = [record[4] for record in sorted(merged["records"])]
+    result["same_process_share"] = (
+        round(
+            sum(1 for a, b in itertools.pairwise(holders) if a.split(":")[0] == b.split(":")[0])
+            / (len(holders) - 1),
+            4,
+        )
+        if len(holders) > 1
+        else None
+    )
+    return result
+
+
+async def contend_in_workers(
+    url: str, specs: Sequence[dict[str, Any]], expected: int, cap: float, root: Path = ROOT
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run `contend` worker processes together from one 'go' (the server's FLUSHALLed
+    first): the summary of their merged records, with the counter and the server's
+    `usec` per command (`commands.server_usec_by_command`), and the merged raw records."""
     async with admin_client(url) as admin:
-        specs = [
-            {
-                "role": "contend",
-                "peer": peer_cls.key,
-                "url": url,
-                "tasks": plan.tasks_per_process,
-                "iterations": plan.process_iterations,
-                "cap": plan.cap_s,
-                "prefix": f"p{i}:",
-            }
-            for i in range(plan.processes)
-        ]
-        async with workers(specs) as procs:
+        async with workers(specs, root=root) as procs:
             for proc in procs:
                 await proc.expect("ready", 60)
             before = await server_calls(admin)
             cpu = await server_cpu(admin)
             for proc in procs:
                 proc.send("go")
-            reports = [await proc.expect("result", plan.cap_s + 30) for proc in procs]
+            reports = [await proc.expect("result", cap + 30) for proc in procs]
             cpu = await server_cpu(admin) - cpu
             after = await server_calls(admin)
         raws = [report["raw"] for report in reports]
@@ -452,17 +480,7 @@ async def processes(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any
         )
         result = summarize(merged, client_side, before, after, expected, cpu)
         add_counter(result, await admin.get(COUNTER))
-    holders = [record[4] for record in sorted(merged["records"])]
-    result["same_process_share"] = (
-        round(
-            sum(1 for a, b in itertools.pairwise(holders) if a.split(":")[0] == b.split(":")[0])
-            / (len(holders) - 1),
-            4,
-        )
-        if len(holders) > 1
-        else None
-    )
-    return result
+    return result, merged
 
 
 async def waiting(peer_cls: type[Peer], url: str, plan: Plan) -> dict[str, Any]:

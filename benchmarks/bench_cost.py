@@ -1,0 +1,252 @@
+"""What one lock operation costs on the server and in the client, beside the peers (issue 32).
+
+    python benchmarks/bench_cost.py [--tree PATH:LABEL ...] [--label TEXT] [--rounds 1]
+        [--cycles 2000] [--iterations 50] [--json PATH]
+
+One run, on one `redis-server` (Debian's, on PATH) started here on a free 127.0.0.1 port,
+for aiolocks' `RedisMutex` (this checkout, and the checkout of each `--tree`: the same
+workload with another build's aiolocks, e.g. `git worktree add /tmp/base cf90146`),
+redis-py's asyncio `Lock` (sleep=0.1) and python-redis-lock (blocking: one thread per
+worker, as in `bench_peers.py`), three phases each, every one in fresh worker processes of
+`bench_peers.py` (`--worker`, the same contend loop) started together on one 'go':
+
+- `uncontended`: one process, one task, `--cycles` x (acquire, release);
+- `1x16`: one process x 16 tasks (threads), `--iterations` each, one name, a GET and a SET+1
+  of a counter inside (the counter must come out exact);
+- `4x4`: 4 processes x 4 tasks (threads), the same.
+
+Per phase: the server's µs and commands per cycle (uncontended) or per acquisition
+(contended), from `INFO commandstats` read before and after (the `usec` and `calls` of every
+command summed: a script's `usec` includes its inner commands' time, and those are counted
+again under their own names, as the issue measures it; the workload's GET and SET are
+taken out, at their mean cost measured first on the same server); the client's CPU µs per
+acquisition (`time.process_time` inside each worker, all its threads, from its 'go' to its
+last release, summed over the workers); acquisitions per second; the counter. Builds and
+libraries alternate round by round. Results in `results/cost.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio
+from _harness import RESULTS, fmt, loadavg, machine, ratio, server_calls, server_info, write_json
+from bench_peers import contend_in_workers
+from bench_scale import redis_server, trees
+
+from aiolocks import __version__
+
+HERE = Path(__file__).resolve().parent
+REDISPY = "redispy_sleep_0.1"
+PRL = "python_redis_lock"
+PHASES = {  # name: (processes, tasks per process, critical section)
+    "uncontended": (1, 1, False),
+    "1x16": (1, 16, True),
+    "4x4": (4, 4, True),
+}
+METRICS = {  # field: (row label, digits)
+    "server_us": ("server µs", 1),
+    "server_commands": ("server commands", 1),
+    "client_cpu_us": ("client CPU µs", 0),
+    "per_s": ("per second", 0),
+}
+
+
+async def workload_usec(url: str, pairs: int = 2000) -> float:
+    """The server's mean µs for one GET plus one SET of the counter (the critical section),
+    to take out of the contended phases' totals."""
+    admin = redis.asyncio.Redis.from_url(url)
+    try:
+        before = await server_calls(admin)
+        for i in range(pairs):
+            await admin.get("bench:calibrate")
+            await admin.set("bench:calibrate", i)
+        after = await server_calls(admin)
+        await admin.delete("bench:calibrate")
+    finally:
+        await admin.aclose()
+    return sum((after[1][name] - before[1][name]) / pairs for name in ("get", "set"))
+
+
+async def phase(
+    url: str, peer: str, root: Path, name: str, cycles: int, iterations: int, get_set_us: float
+) -> dict[str, Any]:
+    """One phase of one library (with the aiolocks under `root`): its figures per acquisition."""
+    processes, tasks, critical = PHASES[name]
+    count = cycles if not critical else iterations
+    specs = [
+        {
+            "role": "contend",
+            "peer": peer,
+            "url": url,
+            "tasks": tasks,
+            "iterations": count,
+            "critical": critical,
+            "warmup": 50,
+            "cap": 120.0,
+            "prefix": f"p{i}:",
+        }
+        for i in range(processes)
+    ]
+    result, _ = await contend_in_workers(url, specs, processes * tasks * count, 120.0, root)
+    n = result["acquisitions"]
+    usec = sum(result["commands"]["server_usec_by_command"].values())
+    lock_usec = usec - result["increments_done"] * get_set_us
+    return {
+        "acquisitions": n,
+        "server_us": round(lock_usec / n, 2) if n else None,
+        "server_commands": result["server_commands_per_acquisition"],
+        "client_cpu_us": round(result["client_cpu_ms_per_acquisition"] * 1000, 1) if n else None,
+        "per_s": result["acquisitions_per_s"],
+        "counter": result.get("counter"),
+        "counter_exact": result.get("counter_exact") if critical else None,
+        "errors": result["errors"],
+        "server_by_command": result["commands"]["server_by_command"],
+    }
+
+
+def median_of(rows: list[dict[str, Any]], field: str) -> float | None:
+    values = [row[field] for row in rows if row.get(field) is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def render(columns: list[str], table: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """A Markdown table: a row per phase and figure, a column per library, then ratios of the
+    first column to redis-py's uncontended cycle and to python-redis-lock's same figure."""
+    head = ["phase", "figure", *columns, f"{columns[0]} / python-redis-lock"]
+    if len(columns) > 3:
+        head.append(f"{columns[0]} / {columns[1]}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in PHASES:
+        for field, (label, digits) in METRICS.items():
+            cells = [table[column][name].get(field) for column in columns]
+            prl = table["python-redis-lock"][name].get(field)
+            row = [name, label, *(fmt(cell, digits) for cell in cells)]
+            row.append(fmt(ratio(cells[0], prl), 2) + "x")
+            if len(columns) > 3:
+                row.append(fmt(ratio(cells[0], cells[1]), 2) + "x")
+            lines.append("| " + " | ".join(row) + " |")
+        exact = [table[column][name].get("counter_exact") for column in columns]
+        if any(value is not None for value in exact):
+            lines.append("| " + " | ".join([name, "counter exact", *map(fmt, exact)]) + " | |")
+    return "\n".join(lines)
+
+
+def targets(ours: dict[str, dict[str, Any]], table: dict[str, Any]) -> dict[str, Any]:
+    """Issue 32's targets for one build, as ratios (the value and whether it holds)."""
+    redispy = table["redis-py Lock"]["uncontended"]["server_us"]
+    prl = table["python-redis-lock"]
+    checks = {
+        "uncontended server µs <= 1.5x redis-py's": (
+            ratio(ours["uncontended"]["server_us"], redispy),
+            1.5,
+            "le",
+        ),
+        "contended (4x4) server µs <= 3x redis-py's uncontended cycle": (
+            ratio(ours["4x4"]["server_us"], redispy),
+            3.0,
+            "le",
+        ),
+        "client CPU per acquisition (4x4) <= 1.0x python-redis-lock's": (
+            ratio(ours["4x4"]["client_cpu_us"], prl["4x4"]["client_cpu_us"]),
+            1.0,
+            "le",
+        ),
+        "throughput 1x16 >= 1.2x python-redis-lock's": (
+            ratio(ours["1x16"]["per_s"], prl["1x16"]["per_s"]),
+            1.2,
+            "ge",
+        ),
+        "throughput 4x4 >= 1.2x python-redis-lock's": (
+            ratio(ours["4x4"]["per_s"], prl["4x4"]["per_s"]),
+            1.2,
+            "ge",
+        ),
+    }
+    return {
+        name: {
+            "ratio": value,
+            "holds": None if value is None else (value <= bound if way == "le" else value >= bound),
+        }
+        for name, (value, bound, way) in checks.items()
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    builds = trees(args)
+    libraries = [(f"aiolocks {label}", "aiolocks", root) for label, root in builds]
+    libraries += [("redis-py Lock", REDISPY, HERE.parent), ("python-redis-lock", PRL, HERE.parent)]
+    columns = [column for column, _, _ in libraries]
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {c: {p: [] for p in PHASES} for c in columns}
+    began = time.monotonic()
+    with redis_server() as (url, source):
+        server = {**await server_info(url), "source": source}
+        get_set_us = await workload_usec(url)
+        for round_ in range(args.rounds):
+            for name in PHASES:
+                order = libraries if round_ % 2 == 0 else libraries[::-1]
+                for column, peer, root in order:
+                    figures = await phase(
+                        url, peer, root, name, args.cycles, args.iterations, get_set_us
+                    )
+                    rows[column][name].append(figures)
+                    shown = {k: figures[k] for k in (*METRICS, "counter_exact", "errors")}
+                    print(f"round {round_} {name:<11} {column:<22} {shown}", flush=True)
+    table = {
+        column: {
+            name: {
+                **{field: median_of(runs, field) for field in METRICS},
+                "counter_exact": None
+                if runs[0]["counter_exact"] is None
+                else all(run["counter_exact"] for run in runs),
+            }
+            for name, runs in phases.items()
+        }
+        for column, phases in rows.items()
+    }
+    markdown = render(columns, table)
+    report = {
+        "benchmark": "cost",
+        "aiolocks": __version__,
+        "builds": {label: str(root) for label, root in builds},
+        "machine": machine(),
+        "loadavg_at_end": loadavg(),
+        "server": server,
+        "workload_get_set_us": round(get_set_us, 3),
+        "rounds": args.rounds,
+        "cycles": args.cycles,
+        "iterations": args.iterations,
+        "took_s": round(time.monotonic() - began, 1),
+        "table": table,
+        "targets": {column: targets(table[column], table) for column in columns[: len(builds)]},
+        "runs": rows,
+        "markdown": markdown,
+    }
+    path = Path(args.json) if args.json else RESULTS / "cost.json"
+    write_json(path, report)
+    print(markdown)
+    for column, checks in report["targets"].items():
+        print(f"\ntargets, {column}:")
+        for check, verdict in checks.items():
+            print(f"  {check}: {fmt(verdict['ratio'])}x {fmt(verdict['holds'])}")
+    print(f"wrote {path}")
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="append", help="PATH[:LABEL] of another checkout")
+    parser.add_argument("--label", default="", help="this checkout's label (default: this tree)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every phase, alternating")
+    parser.add_argument("--cycles", type=int, default=2000, help="uncontended cycles")
+    parser.add_argument("--iterations", type=int, default=50, help="per contending task")
+    parser.add_argument("--json", help=f"default {RESULTS / 'cost.json'}")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))
