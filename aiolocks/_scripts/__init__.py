@@ -7,6 +7,7 @@ into a server happens per client, lazily, when EVALSHA answers NOSCRIPT (see `_r
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
@@ -29,15 +30,52 @@ def _read(filename: str) -> str:
 
 _PRELUDE = _read("_prelude.lua")
 
+# A top-level definition of the prelude: `local function NAME` or `local NAME, ... =`.
+_DEFINES = re.compile(r"^local (?:function )?(\w+(?:\s*,\s*\w+)*)", re.MULTILINE)
+
+
+def _blocks(prelude: str) -> list[tuple[frozenset[str], str]]:
+    """The prelude's paragraphs (split at blank lines) that define something, each with the
+    names it defines; comment-only paragraphs are left out."""
+    blocks = []
+    for text in prelude.split("\n\n"):
+        names = {name.strip() for found in _DEFINES.findall(text) for name in found.split(",")}
+        if names:
+            blocks.append((frozenset(names), text))
+    return blocks
+
+
+_PRELUDE_BLOCKS = _blocks(_PRELUDE)
+
+
+def _needed_prelude(body: str) -> str:
+    """The prelude's definitions that `body` uses, directly or through each other, in the
+    prelude's order: a script call runs its whole text, so every helper it defines costs
+    the server time on every call (about 2.6 µs for all of them), used or not."""
+    used = [False] * len(_PRELUDE_BLOCKS)
+    text = body
+    changed = True
+    while changed:
+        changed = False
+        for index, (names, block) in enumerate(_PRELUDE_BLOCKS):
+            if not used[index] and any(re.search(rf"\b{name}\b", text) for name in names):
+                used[index] = changed = True
+                text += "\n" + block
+    kept = zip(_PRELUDE_BLOCKS, used, strict=True)
+    return "\n\n".join(block for (_, block), keep in kept if keep)
+
+
+def _script(name: str, body: str, prelude: bool = True) -> Script:
+    source = f"{_needed_prelude(body)}\n{body}" if prelude else body
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+
 
 def load(name: str, *libraries: str, prelude: bool = True) -> Script:
-    """Build the script `name`.lua: the prelude (unless `prelude` is false: scripts that
-    touch no wait queue), then `libraries` (each `_<lib>.lua`, Lua shared by one
-    primitive's scripts), then the script itself."""
-    head = [_PRELUDE] if prelude else []
-    parts = [*head, *(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
-    source = "\n".join(parts)
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    """Build the script `name`.lua: the prelude's definitions it uses (none if `prelude` is
+    false: scripts that touch no wait queue), then `libraries` (each `_<lib>.lua`, Lua
+    shared by one primitive's scripts), then the script itself."""
+    parts = [*(_read(f"_{library}.lua") for library in libraries), _read(f"{name}.lua")]
+    return _script(name, "\n".join(parts), prelude)
 
 
 def load_batch(name: str, operations: Sequence[str]) -> Script:
@@ -49,6 +87,4 @@ def load_batch(name: str, operations: Sequence[str]) -> Script:
         f"OPS[{index}] = function(KEYS, ARGV)\n{_read(f'{operation}.lua')}\nend"
         for index, operation in enumerate(operations, start=1)
     ]
-    parts = [_PRELUDE, "local OPS = {}", *wrapped, _read(f"{name}.lua")]
-    source = "\n".join(parts)
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    return _script(name, "\n".join(["local OPS = {}", *wrapped, _read(f"{name}.lua")]))
