@@ -128,6 +128,11 @@ async def _held_by_other_task(r: redis.asyncio.Redis, ctx: dict[str, Any]) -> No
     await asyncio.wait_for(held.wait(), 5)
 
 
+async def _held_elsewhere_and_waiters_a_list(r: redis.asyncio.Redis, ctx: dict[str, Any]) -> None:
+    await r.set(MUTEX + "owner", "another-holder")  # no expiry: the snapshot stays still
+    await wrong_type(MUTEX + "waiters", "list")(r, ctx)
+
+
 async def _end_other_task(r: redis.asyncio.Redis, ctx: dict[str, Any]) -> None:
     ctx["done"].set()
     await asyncio.wait_for(ctx["task"], 5)
@@ -316,11 +321,12 @@ CASES: list[Bad] = [
         setup=wrong_type(MUTEX + "queue", "string"),
     ),
     Bad(
+        # The free path reads and writes no waiters key: a waiter joining the queue checks it.
         "mutex waiters is a list",
-        mutex_call("acquire"),
+        mutex_call("acquire", timeout=5),
         ServerUnavailable,
         "waiters holds a list",
-        setup=wrong_type(MUTEX + "waiters", "list"),
+        setup=_held_elsewhere_and_waiters_a_list,
     ),
     Bad(
         "mutex fence is a hash",

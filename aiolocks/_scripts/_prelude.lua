@@ -45,13 +45,15 @@ end
 
 -- Reads that open a script and double as its type check: each of KEYS[i] is read as the
 -- type `types[i]` should be (as for check_keys: GET for a string or counter, LLEN for a
--- list, ZCARD for a zset, HLEN for a hash), a read that fails on a key of another type.
--- Returns the replies, in order; a key of another type fails the call before anything is
--- written, naming the key as check_keys does. One call per key, where check_keys and the
--- script's own first reads would take two.
+-- list, ZCARD for a zset, HLEN for a hash; 'first' reads a list's head, LINDEX 0), a read
+-- that fails on a key of another type. Returns the replies, in order; a key of another type
+-- fails the call before anything is written, naming the key as check_keys does. One call
+-- per key, where check_keys and the script's own first reads would take two.
 local function read_as(want, key)
   if want == 'list' then
     return redis.pcall('LLEN', key)
+  elseif want == 'first' then
+    return redis.pcall('LINDEX', key, 0)
   elseif want == 'zset' then
     return redis.pcall('ZCARD', key)
   elseif want == 'hash' then
@@ -60,20 +62,45 @@ local function read_as(want, key)
   return redis.pcall('GET', key)
 end
 
+-- Fail on `reply`, an error reply of a call on `key`: a WRONGTYPE one names the key and
+-- what it holds (as check_keys does), any other is passed on.
+local function fail_on(reply, key, want)
+  if string.sub(reply['err'], 1, 9) == 'WRONGTYPE' then
+    local base = ({counter = 'string', first = 'list'})[want] or want
+    fail('WRONGTYPE aiolocks: ' .. key .. ' holds a ' .. redis.call('TYPE', key)['ok']
+      .. ', not a ' .. base)
+  end
+  fail(reply['err'])
+end
+
+-- One key read as read_as does: KEYS[i] as the type `want`.
+local function read_key(i, want)
+  local reply = read_as(want, KEYS[i])
+  if type(reply) == 'table' and reply['err'] then
+    fail_on(reply, KEYS[i], want)
+  end
+  if want == 'counter' and reply and not tonumber(reply) then
+    fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number')
+  end
+  return reply
+end
+
 local function read_keys(types)
   local replies = {}
   for i, want in ipairs(types) do
-    local reply = read_as(want, KEYS[i])
-    if type(reply) == 'table' and reply['err'] then
-      check_keys(types)  -- names the key
-      return fail(reply['err'])
-    end
-    if want == 'counter' and reply and not tonumber(reply) then
-      fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number')
-    end
-    replies[i] = reply
+    replies[i] = read_key(i, want)
   end
   return unpack(replies, 1, #types)
+end
+
+-- The reply of `redis.pcall(...)` on `key`, the first command of its script on that key,
+-- which doubles as the key's type check: a key of another type fails the call, naming it,
+-- and the command changed nothing (a read, or a write that the server refused).
+local function checked(reply, key, want)
+  if type(reply) == 'table' and reply['err'] then
+    fail_on(reply, key, want)
+  end
+  return reply
 end
 
 -- The server clock, read once per script call: one instant for all it does (the call is
@@ -152,12 +179,50 @@ local function dequeue(queue, waiters, member)
 end
 
 -- Put a member at the tail (once) and refresh its liveness deadline (now + ttl); the queue
--- keys, and `extra` keys that must live as long as a waiter, are kept ttl + IDLE_MS.
+-- keys, and `extra` keys that must live as long as a waiter, are kept ttl + IDLE_MS. The
+-- queue list and the waiters zset always get their expiries together (here, and in
+-- heartbeat_group), so the zset's tells whether both need lengthening: one PTTL for two.
+-- The queue's type must have been checked; the ZADD checks the zset's.
 local function enqueue(queue, waiters, member, now, ttl, extra)
-  if redis.call('ZADD', waiters, now + tonumber(ttl), member) == 1 then
-    redis.call('RPUSH', queue, member)
+  local ms = tonumber(ttl) + IDLE_MS
+  local fresh = false  -- the queue list was made here (an emptied list is deleted): no expiry
+  local added = checked(redis.pcall('ZADD', waiters, now + tonumber(ttl), member), waiters, 'zset')
+  if added == 1 then
+    fresh = redis.call('RPUSH', queue, member) == 1
   end
-  keep_all({queue, waiters, unpack(extra or {})}, 1, tonumber(ttl) + IDLE_MS)
+  local left = redis.call('PTTL', waiters)
+  if fresh or left == -1 or (left >= 0 and left < ms) then
+    redis.call('PEXPIRE', waiters, int_str(ms))
+    redis.call('PEXPIRE', queue, int_str(ms))
+  end
+  if extra then
+    keep_all(extra, 1, ms)
+  end
+end
+
+-- Pop the queue's first live member, dropping dead ones ahead of it (their liveness
+-- deadline has passed: their process is gone): the only purge the hand-off needs, so a
+-- hand-off reads the head, not every deadline. `head`: the queue's first member, as the
+-- caller read it (LINDEX 0, which checked the list's type). The waiters zset's type is
+-- checked by the first read, before anything is written. `forget` (optional): a hash of
+-- per-token data of waiters (an election's candidates), a dead one's field deleted with it.
+-- Returns the member, or nil when nobody live waits.
+local function pop_live(queue, waiters, head, now, forget)
+  while head do
+    local deadline = checked(redis.pcall('ZSCORE', waiters, head), waiters, 'zset')
+    redis.call('LPOP', queue)
+    if deadline then
+      redis.call('ZREM', waiters, head)
+      if tonumber(deadline) >= now then
+        return head
+      end
+    end
+    if forget then
+      redis.call('HDEL', forget, (split_member(head)))
+    end
+    head = redis.call('LINDEX', queue, 0)
+  end
+  return nil
 end
 
 -- Pop the first queued (live) member; returns token, ttl_ms, tag, kind or nil.
@@ -205,7 +270,10 @@ end
 -- stored value: a cohort reserving blocks faster than one fence per microsecond runs the
 -- counter ahead of the clock, and its expiry is pushed back by as much.
 -- `stored`: the counter's value when the caller has just read it (nil: read it here).
-local function grant_fence(fence_key, token, ttl, stored)
+-- `alone`: the counter serves this lease only (a mutex: whoever held it before has ended by
+-- now), so its expiry is this grant's need, set without reading the one it had (which
+-- another holder's lease may need, e.g. a semaphore's or an RW lock's).
+local function grant_fence(fence_key, token, ttl, stored, alone)
   local block = fence_block(token)
   local now = now_us()
   if stored == nil then
@@ -214,8 +282,10 @@ local function grant_fence(fence_key, token, ttl, stored)
   local base = math.max(stored, now)
   local last = base + block
   local keep = tonumber(ttl) + IDLE_MS + math.ceil((last - now) / 1000)
-  local left = redis.call('PTTL', fence_key)
-  redis.call('SET', fence_key, int_str(last), 'PX', int_str(math.max(keep, left)))
+  if not alone then
+    keep = math.max(keep, redis.call('PTTL', fence_key))
+  end
+  redis.call('SET', fence_key, int_str(last), 'PX', int_str(keep))
   return base + 1
 end
 
@@ -237,9 +307,10 @@ end
 
 -- A holder in a sorted set of leases (token -> deadline, server ms) with its fence in a hash;
 -- `extra` lists more keys to keep as long as the lease (e.g. a semaphore's stored limit).
-local function hold_in_set(holders, fences, fence_key, token, ttl, now, extra)
+-- `stored`: the fence counter, when the caller has just read it (nil: read it here).
+local function hold_in_set(holders, fences, fence_key, token, ttl, now, extra, stored)
   redis.call('ZADD', holders, now + tonumber(ttl), token)
-  local fence = grant_fence(fence_key, token, ttl)
+  local fence = grant_fence(fence_key, token, ttl, stored)
   redis.call('HSET', fences, token, int_str(fence))
   keep_all({holders, fences, unpack(extra or {})}, 1, tonumber(ttl) + IDLE_MS)
   return fence

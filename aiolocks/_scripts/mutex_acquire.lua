@@ -14,34 +14,36 @@ local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag = split_member(member)
 
-local current, queued, _, last = read_keys({'string', 'list', 'zset', 'counter'})
-local stored = tonumber(last) or 0  -- the fence counter (grant_fence need not read it again)
-if current == token then
-  renew_owner_lease({owner, fence_key}, token, ttl)
+-- Only what the decision needs is read; each read checks its key's type, and the waiters
+-- zset, read on the contended paths only, is checked by its first command there, before
+-- anything is written. Free path: GET, LINDEX, GET, TIME, SET, SET.
+local current = read_key(1, 'string')
+if current == token then  -- a re-check, a retry or a late grant's confirmation: renew
+  local stored = tonumber(read_key(4, 'counter')) or 0
+  extend_lease({owner, fence_key}, ttl)
   return {1, stored - fence_block(token) + 1}
 end
-if not current and queued == 0 then
+local head = read_key(2, 'first')
+local stored = tonumber(read_key(4, 'counter')) or 0
+if not current and not head then
   -- The uncontended path: free, nobody queued.
   redis.call('SET', owner, token, 'PX', ttl)
-  return {1, grant_fence(fence_key, token, ttl, stored)}
+  return {1, grant_fence(fence_key, token, ttl, stored, true)}
 end
 
 local now = now_ms()
-purge_dead(queue, waiters, now)
 if not current then
-  local head = redis.call('LINDEX', queue, 0)
-  if not head or head == member then
-    if head then
-      dequeue(queue, waiters, member)
-    end
+  -- Free while members are queued (the holder's lease ran out, or the caller is the head):
+  -- the first live one takes it, dead ones ahead of it dropped.
+  local first = pop_live(queue, waiters, head, now)
+  if not first or first == member then
     redis.call('SET', owner, token, 'PX', ttl)
-    return {1, grant_fence(fence_key, token, ttl, stored)}
+    return {1, grant_fence(fence_key, token, ttl, stored, true)}
   end
-  -- Free while others wait ahead (the holder's lease ran out): hand it to the head.
-  local next_token, next_ttl = pop_head(queue, waiters)
+  local next_token, next_ttl, next_tag = split_member(first)
   redis.call('SET', owner, next_token, 'PX', next_ttl)
-  local fence = grant_fence(fence_key, next_token, next_ttl, stored)
-  announce(channel, next_token, fence, next_ttl, nil, tag)
+  local fence = grant_fence(fence_key, next_token, next_ttl, stored, true)
+  announce(channel, next_token, fence, next_ttl, next_tag, tag)
   stored = fence + fence_block(next_token) - 1
 end
 

@@ -12,33 +12,40 @@ local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, channel, keep = ARGV[1], ARGV[2], ARGV[3] == 'keep'
 local token, ttl, tag = split_member(member)
 
-local current, queued, _, last = read_keys({'string', 'list', 'zset', 'counter'})
-local stored = tonumber(last) or 0  -- the fence counter (grant_fence need not read it again)
-if dequeue(queue, waiters, member) then
-  queued = redis.call('LLEN', queue)  -- withdrawn from the queue (a cancelled waiter)
-end
-local status = 0
-if current == token then
-  status = 1
-elseif current then
-  return {0}
+-- Free path (held, nobody queued): GET, LINDEX, DEL. A holder is never queued (a grant pops
+-- its member), so only a caller that does not hold it may have an entry to withdraw.
+local current = read_key(1, 'string')
+local head = read_key(2, 'first')
+local status = 1
+if current ~= token then
+  status = 0
+  if head and checked(redis.pcall('ZREM', waiters, member), waiters, 'zset') == 1 then
+    redis.call('LREM', queue, 1, member)  -- withdrawn from the queue (a cancelled waiter)
+    head = redis.call('LINDEX', queue, 0)
+  end
+  if current then
+    return {0}
+  end
 end
 
-if queued > 0 and #purge_dead(queue, waiters, now_ms()) > 0 then
-  queued = redis.call('LLEN', queue)
+local stored, first = nil, nil
+if head then
+  stored = tonumber(read_key(4, 'counter')) or 0
+  first = pop_live(queue, waiters, head, now_ms())
 end
-if queued == 0 then
+if not first then
   if status == 1 then
     if keep then
+      stored = stored or tonumber(read_key(4, 'counter')) or 0
       redis.call('PEXPIRE', owner, ttl)
-      return {2, grant_fence(fence_key, token, ttl, stored)}
+      return {2, grant_fence(fence_key, token, ttl, stored, true)}
     end
     redis.call('DEL', owner)
   end
   return {status}
 end
-local next_token, next_ttl, next_tag = pop_head(queue, waiters)
+local next_token, next_ttl, next_tag = split_member(first)
 redis.call('SET', owner, next_token, 'PX', next_ttl)
-local fence = grant_fence(fence_key, next_token, next_ttl, stored)
+local fence = grant_fence(fence_key, next_token, next_ttl, stored, true)
 announce(channel, next_token, fence, next_ttl, next_tag, tag)
 return {status, next_token, fence, next_ttl}
