@@ -5,26 +5,25 @@
 -- Returns {1, fence_1, ..., fence_n} when the token holds every name now, or {0} when any
 -- name is held by another token or has anyone queued: then nothing was changed, and the
 -- caller takes the names one by one through their queues.
-local types = {}
-for i = 1, #KEYS, 4 do
-  types[i], types[i + 1], types[i + 2], types[i + 3] = 'string', 'list', 'zset', 'counter'
-end
-check_keys(types)
+-- Reads only what the decision needs (each checks its key's type; the waiters zsets are
+-- neither read nor written): per name GET owner, LINDEX queue, GET fence.
 local token, ttl = ARGV[1], ARGV[2]
+local current, stored = {}, {}
 for i = 1, #KEYS, 4 do
-  local current = redis.call('GET', KEYS[i])
-  if (current and current ~= token) or redis.call('LLEN', KEYS[i + 1]) > 0 then
+  current[i] = read_key(i, 'string')
+  if (current[i] and current[i] ~= token) or read_key(i + 1, 'first') then
     return {0}
   end
+  stored[i] = tonumber(read_key(i + 3, 'counter')) or 0
 end
 local reply = {1}
 for i = 1, #KEYS, 4 do
-  if redis.call('GET', KEYS[i]) == token then
-    renew_owner_lease({KEYS[i], KEYS[i + 3]}, token, ttl)
-    reply[#reply + 1] = tonumber(redis.call('GET', KEYS[i + 3])) or 0
+  if current[i] == token then
+    extend_lease({KEYS[i], KEYS[i + 3]}, ttl)
+    reply[#reply + 1] = stored[i]
   else
     redis.call('SET', KEYS[i], token, 'PX', ttl)
-    reply[#reply + 1] = grant_fence(KEYS[i + 3], token, ttl)
+    reply[#reply + 1] = grant_fence(KEYS[i + 3], token, ttl, stored[i], true)
   end
 end
 return reply
