@@ -8,37 +8,49 @@
 -- grants...} queued, {-1, wait_ms, floor, grants...} busy and not queued, {-2, stored_limit}
 -- the name is stored with another limit (nothing changed). grants: token, fence, ttl of
 -- others granted; floor: the fence floor (fence_floor, _prelude.lua).
-check_keys({'zset', 'list', 'zset', 'counter', 'hash', 'counter'})
+-- Free path (a permit free, nobody queued): ZSCORE, GET limit, LINDEX, GET fence, HLEN
+-- (the fences hash's type), TIME, ZCARD, then the grant. Each read checks its key's type;
+-- the waiters zset is checked by its first command, on the paths that touch it.
 local k = sem_keys()
 local member, mode, channel, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local token, ttl, tag = split_member(member)
 
 local now = now_ms()
-local deadline = redis.call('ZSCORE', k.holders, token)
+local deadline = checked(redis.pcall('ZSCORE', k.holders, token), k.holders, 'zset')
+local stored = read_key(6, 'counter')
+local counter = tonumber(read_key(4, 'counter')) or 0
 if deadline and tonumber(deadline) >= now then  -- already granted (maybe unread): re-arm
+  local fence = checked(redis.pcall('HGET', k.fences, token), k.fences, 'hash')
   renew_member_lease({k.holders, k.fences, k.fence, k.limit}, token, ttl, now)
-  return {1, tonumber(redis.call('HGET', k.fences, token))}
+  return {1, tonumber(fence)}
 end
-
-local stored = redis.call('GET', k.limit)
-if not stored then  -- kept as long as a holder or waiter, from the grant or enqueue below
-  redis.call('SET', k.limit, limit, 'PX', int_str(tonumber(ttl) + IDLE_MS))
-elseif tonumber(stored) ~= limit then
-  if not redis.call('ZSCORE', k.waiters, member) then
+local head = read_key(2, 'first')
+read_key(5, 'hash')
+if stored and tonumber(stored) ~= limit then
+  if not checked(redis.pcall('ZSCORE', k.waiters, member), k.waiters, 'zset') then
     return {-2, tonumber(stored)}
   end
   limit = tonumber(stored)  -- queued before a set_limit: the stored limit rules
 end
-
-purge_expired(k.holders, k.fences, now)
-purge_dead(k.queue, k.waiters, now)
-local grants = {}
-sem_fill(k, limit, channel, tag, now, grants)
-if redis.call('ZSCORE', k.holders, token) then  -- it was queued and its turn came
-  return {1, tonumber(redis.call('HGET', k.fences, token)), unpack(grants)}
+local held = sem_held(k, limit, now)
+if head or (mode == 'wait' and held >= limit) then
+  read_key(3, 'zset')  -- the waiters zset is written below: its type first
 end
-if redis.call('LLEN', k.queue) == 0 and redis.call('ZCARD', k.holders) < limit then
-  return {1, hold_in_set(k.holders, k.fences, k.fence, token, ttl, now, {k.limit}), unpack(grants)}
+if not stored then  -- kept as long as a holder or waiter, from the grant or enqueue below
+  redis.call('SET', k.limit, limit, 'PX', int_str(tonumber(ttl) + IDLE_MS))
+end
+
+local grants = {}
+if head then
+  held = sem_fill(k, limit, channel, tag, now, grants, held)
+  if redis.call('ZSCORE', k.holders, token) then  -- it was queued and its turn came
+    return {1, tonumber(redis.call('HGET', k.fences, token)), unpack(grants)}
+  end
+  head = redis.call('LINDEX', k.queue, 0)
+end
+if not head and held < limit then
+  local fence = hold_in_set(k.holders, k.fences, k.fence, token, ttl, now, {k.limit}, counter)
+  return {1, fence, unpack(grants)}
 end
 if mode == 'wait' then
   enqueue(k.queue, k.waiters, member, now, ttl, {k.limit})

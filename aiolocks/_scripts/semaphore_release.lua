@@ -3,16 +3,34 @@
 -- KEYS as semaphore_acquire.   ARGV[1] member   ARGV[2] channel   ARGV[3] the caller's limit
 -- Returns {held, grants...}: held 1 if the caller held a live permit; grants: token,
 -- fence, ttl of each waiter given a permit.
-check_keys({'zset', 'list', 'zset', 'counter', 'hash', 'counter'})
+-- Free path (held, nobody queued): TIME, ZSCORE, LINDEX, HDEL, ZREM. Each key's type is
+-- checked by its first command, before anything is written on it.
 local k = sem_keys()
 local member, channel = ARGV[1], ARGV[2]
 local token, _, tag = split_member(member)
 local now = now_ms()
 
-dequeue(k.queue, k.waiters, member)
-local held = release_from_set(k.holders, k.fences, token, now)
-purge_expired(k.holders, k.fences, now)
-purge_dead(k.queue, k.waiters, now)
+local deadline = checked(redis.pcall('ZSCORE', k.holders, token), k.holders, 'zset')
+local head = read_key(2, 'first')
+local limit = nil
+if head then  -- permits may go to waiters below: every key they touch checked first
+  limit = tonumber(read_key(6, 'counter') or ARGV[3])
+  read_key(4, 'counter')
+  read_key(5, 'hash')
+  read_key(3, 'zset')
+end
+local held = 0
+if deadline then
+  checked(redis.pcall('HDEL', k.fences, token), k.fences, 'hash')
+  redis.call('ZREM', k.holders, token)
+  if tonumber(deadline) >= now then
+    held = 1
+  end
+elseif head and redis.call('ZREM', k.waiters, member) == 1 then
+  redis.call('LREM', k.queue, 1, member)  -- withdrawn from the queue (a cancelled waiter)
+end
 local grants = {}
-sem_fill(k, tonumber(redis.call('GET', k.limit) or ARGV[3]), channel, tag, now, grants)
+if head then
+  sem_fill(k, limit, channel, tag, now, grants, sem_held(k, limit, now))
+end
 return {held, unpack(grants)}

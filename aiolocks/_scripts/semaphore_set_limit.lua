@@ -9,8 +9,7 @@ local previous = tonumber(redis.call('GET', k.limit) or 0)
 local left = redis.call('PTTL', k.limit)
 redis.call('SET', k.limit, ARGV[1], 'PX', int_str(math.max(left, tonumber(ARGV[4]) + IDLE_MS)))
 local now = now_ms()
-purge_expired(k.holders, k.fences, now)
-purge_dead(k.queue, k.waiters, now)
 local grants = {}
-sem_fill(k, tonumber(ARGV[1]), ARGV[2], ARGV[3], now, grants)
+local limit = tonumber(ARGV[1])
+sem_fill(k, limit, ARGV[2], ARGV[3], now, grants, sem_held(k, limit, now))
 return {previous, unpack(grants)}
