@@ -8,32 +8,50 @@ local function rw_keys()
           fence = KEYS[5], fences = KEYS[6]}
 end
 
-local function grant_writer(k, token, ttl)
+local function grant_writer(k, token, ttl, stored)
   redis.call('SET', k.writer, token, 'PX', ttl)
-  return grant_fence(k.fence, token, ttl)
+  return grant_fence(k.fence, token, ttl, stored)
+end
+
+-- Live readers: ZCARD, with the expired ones purged first when there are any.
+local function rw_readers(k, now)
+  if redis.call('ZCARD', k.readers) == 0 then
+    return 0
+  end
+  purge_expired(k.readers, k.fences, now)
+  return redis.call('ZCARD', k.readers)
 end
 
 -- Let in, in queue order, what can enter: a writer alone when nobody holds, or every
--- reader up to the next queued writer while no writer holds. Grants go to `grants`.
+-- reader up to the next queued writer while no writer holds; dead members at the head are
+-- dropped on the way. Expired readers must have been purged. Grants go to `grants`.
 local function rw_fill(k, channel, caller_tag, now, grants)
   while redis.call('EXISTS', k.writer) == 0 do
     local head = redis.call('LINDEX', k.queue, 0)
     if not head then
       return
     end
+    local deadline = redis.call('ZSCORE', k.waiters, head)
     local _, _, _, kind = split_member(head)
-    if kind == 'w' and redis.call('ZCARD', k.readers) > 0 then
+    if deadline and tonumber(deadline) >= now and kind == 'w'
+        and redis.call('ZCARD', k.readers) > 0 then
       return
     end
-    local token, ttl, tag = pop_head(k.queue, k.waiters)
-    local fence
-    if kind == 'w' then
-      fence = grant_writer(k, token, ttl)
-    else
-      fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
+    redis.call('LPOP', k.queue)
+    if deadline then
+      redis.call('ZREM', k.waiters, head)
     end
-    announce(channel, token, fence, ttl, tag, caller_tag)
-    note_grant(grants, token, fence, ttl)
+    if deadline and tonumber(deadline) >= now then
+      local token, ttl, tag = split_member(head)
+      local fence
+      if kind == 'w' then
+        fence = grant_writer(k, token, ttl)
+      else
+        fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
+      end
+      announce(channel, token, fence, ttl, tag, caller_tag)
+      note_grant(grants, token, fence, ttl)
+    end
   end
 end
 

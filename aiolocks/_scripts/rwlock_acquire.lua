@@ -5,35 +5,55 @@
 -- Returns {1, fence, grants...} held (also when it already was), {0, wait_ms, floor,
 -- grants...} queued, {-1, wait_ms, floor, grants...} busy and not queued; floor: the fence
 -- floor (fence_floor, _prelude.lua).
-check_keys({'string', 'zset', 'list', 'zset', 'counter', 'hash'})
+-- Free path: GET writer, LINDEX queue, GET fence, TIME, then a reader: ZSCORE, HLEN (the
+-- fences hash's type), the grant; a writer: ZCARD readers, the grant. Each read checks its
+-- key's type; the waiters zset is checked before the paths that write it.
 local k = rw_keys()
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
 local token, ttl, tag, kind = split_member(member)
 local now = now_ms()
 
-local fence = rw_held(k, token, kind, now)
-if fence then  -- already granted (e.g. by a hand-off whose message was not read): re-arm
-  if kind == 'w' then
-    renew_owner_lease({k.writer, k.fence}, token, ttl)
-  else
-    renew_member_lease({k.readers, k.fences, k.fence}, token, ttl, now)
-  end
-  return {1, fence}
+local writer = read_key(1, 'string')
+local head = read_key(3, 'first')
+local counter = tonumber(read_key(5, 'counter')) or 0
+if kind == 'w' and writer == token then  -- already granted (a hand-off not read): re-arm
+  extend_lease({k.writer, k.fence}, ttl)
+  return {1, counter}
+end
+local deadline = nil
+if kind == 'r' then
+  deadline = checked(redis.pcall('ZSCORE', k.readers, token), k.readers, 'zset')
+else
+  read_key(2, 'zset')
+end
+read_key(6, 'hash')
+if deadline and tonumber(deadline) >= now then  -- already granted: re-arm
+  local fence = redis.call('HGET', k.fences, token)
+  renew_member_lease({k.readers, k.fences, k.fence}, token, ttl, now)
+  return {1, tonumber(fence)}
+end
+if head or mode == 'wait' then
+  read_key(4, 'zset')  -- written below: its type first
 end
 
-purge_expired(k.readers, k.fences, now)
-purge_dead(k.queue, k.waiters, now)
 local grants = {}
-rw_fill(k, channel, tag, now, grants)
-fence = rw_held(k, token, kind, now)
-if fence then  -- it was queued and its turn came
-  return {1, fence, unpack(grants)}
+if head then
+  rw_readers(k, now)
+  rw_fill(k, channel, tag, now, grants)
+  local fence = rw_held(k, token, kind, now)
+  if fence then  -- it was queued and its turn came
+    return {1, fence, unpack(grants)}
+  end
+  head = redis.call('LINDEX', k.queue, 0)
+  writer = redis.call('GET', k.writer)
+  counter = nil  -- the grants moved it: read again
 end
-if redis.call('LLEN', k.queue) == 0 and redis.call('EXISTS', k.writer) == 0 then
+if not head and not writer then
   if kind == 'r' then
-    return {1, hold_in_set(k.readers, k.fences, k.fence, token, ttl, now), unpack(grants)}
-  elseif redis.call('ZCARD', k.readers) == 0 then
-    return {1, grant_writer(k, token, ttl), unpack(grants)}
+    return {1, hold_in_set(k.readers, k.fences, k.fence, token, ttl, now, nil, counter),
+            unpack(grants)}
+  elseif rw_readers(k, now) == 0 then
+    return {1, grant_writer(k, token, ttl, counter), unpack(grants)}
   end
 end
 if mode == 'wait' then
