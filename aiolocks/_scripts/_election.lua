@@ -23,27 +23,21 @@ local function announce_leader(channel, token, fence, ttl, rev, value)
   publish(channel, token .. ' ' .. digits .. ' ' .. ttl .. ' L ' .. rev .. ' ' .. value)
 end
 
--- Make `token` the leader for `ttl` ms with `value`; returns its term's fence.
-local function elect(leader, fence_key, channel, token, ttl, value)
-  local fence = grant_fence(fence_key, token, ttl)
-  redis.call('DEL', leader)
+-- Make `token` the leader for `ttl` ms with `value`; returns its term's fence. The hash's
+-- four fields are all written (it holds no others), so no DEL first. `stored`: the fence
+-- counter as the caller read it (nil: read here); a term is alone on its counter.
+local function elect(leader, fence_key, channel, token, ttl, value, stored)
+  local fence = grant_fence(fence_key, token, ttl, stored, true)
   redis.call('HSET', leader, 'token', token, 'value', value, 'fence', int_str(fence), 'rev', 0)
   redis.call('PEXPIRE', leader, ttl)
   announce_leader(channel, token, fence, ttl, 0, value)
   return fence
 end
 
--- Elect the first queued candidate (the caller made sure one is queued): its grant triple.
-local function elect_head(leader, queue, waiters, fence_key, candidates, channel)
-  local token, ttl = pop_head(queue, waiters)
+-- Elect the first live candidate `first` (popped by pop_live): its grant triple.
+local function elect_member(leader, fence_key, candidates, channel, first, stored)
+  local token, ttl = split_member(first)
   local value = redis.call('HGET', candidates, token) or ''
   redis.call('HDEL', candidates, token)
-  return token, elect(leader, fence_key, channel, token, ttl, value), ttl
-end
-
--- Purge dead candidates from the queue and forget the values they campaigned with.
-local function purge_candidates(queue, waiters, candidates, now)
-  for _, member in ipairs(purge_dead(queue, waiters, now)) do
-    redis.call('HDEL', candidates, (split_member(member)))
-  end
+  return token, elect(leader, fence_key, channel, token, ttl, value, stored), ttl
 end

@@ -6,38 +6,46 @@
 --         {0, pttl, floor} when queued behind a leader with pttl ms of lease left,
 --         {-1, pttl, floor} when busy and the caller did not queue; floor: the fence floor
 --         (fence_floor, _prelude.lua).
-check_keys({'hash', 'list', 'zset', 'counter', 'hash'})
+-- Free path (vacant, nobody queued): HGET, LINDEX, GET fence, TIME, HSET, PEXPIRE, SET,
+-- the announcement. Each read checks its key's type; the waiters zset and the candidates
+-- hash are checked before the paths that write them.
 local leader, queue, waiters, fence_key, candidates = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local member, mode, channel, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local token, ttl = split_member(member)
 
-local current = redis.call('HGET', leader, 'token')
+local current = checked(redis.pcall('HGET', leader, 'token'), leader, 'hash')
+local stored = tonumber(read_key(4, 'counter')) or 0
 if current == token then
-  renew_leader_lease({leader, fence_key}, token, ttl)
+  extend_lease({leader, fence_key}, ttl)
   return {1, tonumber(redis.call('HGET', leader, 'fence'))}
 end
-if not current and redis.call('LLEN', queue) == 0 then
-  return {1, elect(leader, fence_key, channel, token, ttl, value)}
+local head = read_key(2, 'first')
+if not current and not head then
+  return {1, elect(leader, fence_key, channel, token, ttl, value, stored)}
+end
+if head or mode == 'wait' then
+  read_key(3, 'zset')
+  read_key(5, 'hash')
 end
 
 local now = now_ms()
-purge_candidates(queue, waiters, candidates, now)
 if not current then
-  local head = redis.call('LINDEX', queue, 0)
-  if not head or head == member then
-    if head then
-      dequeue(queue, waiters, member)
+  -- Vacant while candidates are queued (the leader's lease ran out, or the caller is the
+  -- head): the first live one is elected, dead ones ahead of it dropped with their values.
+  local first = pop_live(queue, waiters, head, now, candidates)
+  if not first or first == member then
+    if first then
       redis.call('HDEL', candidates, token)
     end
-    return {1, elect(leader, fence_key, channel, token, ttl, value)}
+    return {1, elect(leader, fence_key, channel, token, ttl, value, stored)}
   end
-  -- Vacant while others wait ahead (the leader's lease ran out): elect the head.
-  elect_head(leader, queue, waiters, fence_key, candidates, channel)
+  elect_member(leader, fence_key, candidates, channel, first, stored)
+  stored = nil
 end
 
 if mode == 'wait' then
   redis.call('HSET', candidates, token, value)
   enqueue(queue, waiters, member, now, ttl, {candidates})
-  return {0, redis.call('PTTL', leader), fence_floor(fence_key)}
+  return {0, redis.call('PTTL', leader), fence_floor(fence_key, stored)}
 end
-return {-1, redis.call('PTTL', leader), fence_floor(fence_key)}
+return {-1, redis.call('PTTL', leader), fence_floor(fence_key, stored)}
