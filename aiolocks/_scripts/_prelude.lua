@@ -381,14 +381,15 @@ local function heartbeat_group(keys, members, now)
   return missing
 end
 
--- Remove a holder from a sorted set of leases; 1 if its lease was still live, else 0.
+-- Remove a holder from a sorted set of leases; 1 if its lease was still live, else 0. Its
+-- first commands on each key check the key's type (nothing written on a wrong one).
 local function release_from_set(holders, fences, token, now)
-  local deadline = redis.call('ZSCORE', holders, token)
+  local deadline = checked(redis.pcall('ZSCORE', holders, token), holders, 'zset')
   if not deadline then
     return 0
   end
+  checked(redis.pcall('HDEL', fences, token), fences, 'hash')
   redis.call('ZREM', holders, token)
-  redis.call('HDEL', fences, token)
   if tonumber(deadline) >= now then
     return 1
   end

@@ -24,14 +24,7 @@ if kind == 'w' then
     held = 1
   end
 else
-  local deadline = checked(redis.pcall('ZSCORE', k.readers, token), k.readers, 'zset')
-  if deadline then
-    checked(redis.pcall('HDEL', k.fences, token), k.fences, 'hash')
-    redis.call('ZREM', k.readers, token)
-    if tonumber(deadline) >= now then
-      held = 1
-    end
-  end
+  held = release_from_set(k.readers, k.fences, token, now)
 end
 local grants = {}
 if head then

@@ -3,14 +3,13 @@
 -- KEYS as semaphore_acquire.   ARGV[1] member   ARGV[2] channel   ARGV[3] the caller's limit
 -- Returns {held, grants...}: held 1 if the caller held a live permit; grants: token,
 -- fence, ttl of each waiter given a permit.
--- Free path (held, nobody queued): TIME, ZSCORE, LINDEX, HDEL, ZREM. Each key's type is
+-- Free path (held, nobody queued): TIME, LINDEX, ZSCORE, HDEL, ZREM. Each key's type is
 -- checked by its first command, before anything is written on it.
 local k = sem_keys()
 local member, channel = ARGV[1], ARGV[2]
 local token, _, tag = split_member(member)
 local now = now_ms()
 
-local deadline = checked(redis.pcall('ZSCORE', k.holders, token), k.holders, 'zset')
 local head = read_key(2, 'first')
 local limit = nil
 if head then  -- permits may go to waiters below: every key they touch checked first
@@ -19,14 +18,8 @@ if head then  -- permits may go to waiters below: every key they touch checked f
   read_key(5, 'hash')
   read_key(3, 'zset')
 end
-local held = 0
-if deadline then
-  checked(redis.pcall('HDEL', k.fences, token), k.fences, 'hash')
-  redis.call('ZREM', k.holders, token)
-  if tonumber(deadline) >= now then
-    held = 1
-  end
-elseif head and redis.call('ZREM', k.waiters, member) == 1 then
+local held = release_from_set(k.holders, k.fences, token, now)
+if held == 0 and head and redis.call('ZREM', k.waiters, member) == 1 then
   redis.call('LREM', k.queue, 1, member)  -- withdrawn from the queue (a cancelled waiter)
 end
 local grants = {}
