@@ -125,6 +125,16 @@ class AiolocksLocalHandoffPeer(AiolocksPeer):
         return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=16))
 
 
+class AiolocksLocalHandoff4Peer(AiolocksPeer):
+    """`local_handoff=4`: a remote waiter waits behind at most 4 local holdings."""
+
+    key = "aiolocks_local4"
+    label = "aiolocks RedisMutex local_handoff=4"
+
+    def lock(self, name: str) -> Contender:
+        return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=4))
+
+
 class AiolocksUvloopPeer(AiolocksPeer):
     """The default mutex on uvloop's event loop (what `uvicorn[standard]` runs)."""
 
@@ -383,7 +393,8 @@ PEERS: tuple[type[Peer], ...] = (
     AioredlockPeer,
     FloorPeer,
 )
-BY_KEY = {peer.key: peer for peer in PEERS}
+_EXTRA: tuple[type[Peer], ...] = (AiolocksLocalHandoff4Peer,)  # bench_cost.py's only
+BY_KEY = {peer.key: peer for peer in PEERS + _EXTRA}
 FLOOR = FloorPeer.key
 
 # The importable module each optional peer needs.
