@@ -617,7 +617,27 @@ def _default_mutex(data: dict[str, Any]) -> str:
     return "\n\n".join(tables)
 
 
+def _cost(data: dict[str, Any]) -> str:
+    """bench_cost.py: its own table (rendered by the benchmark), then issue 32's targets."""
+    rows = [
+        (
+            column,
+            check,
+            _times(verdict["ratio"]),
+            {True: "yes", False: "no", None: "-"}[verdict["holds"]],
+        )
+        for column, checks in data["targets"].items()
+        for check, verdict in checks.items()
+    ]
+    took = f"{data['rounds']} rounds, {data['server']['version']}, load average at the end "
+    took += " / ".join(map(str, data.get("loadavg_at_end") or []))
+    return "\n\n".join(
+        [took, data["markdown"], _table(("build", "target", "ratio", "holds"), rows)]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "cost": _cost,
     "default_mutex": _default_mutex,
     "expiry": _expiry,
     "scale": _scale,
