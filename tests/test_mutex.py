@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import anyio
 import pytest
 import redis
 import redis.asyncio
+from _faults import close_client
 from _probes import QueueProbe
 from _servers import ServerProcess, command_count, has_sharded_pubsub
+from conftest import client_from_url
 
 from aiolocks import LockLost, LockNotOwned, RedisMutex
 from aiolocks._engine._context import context_for
@@ -265,3 +268,29 @@ async def test_hand_off_publishes_only_across_clients(r: redis.asyncio.Redis, ur
             assert sent == ((expected, 0) if await has_sharded_pubsub(r) else (0, expected))
     finally:
         await other.aclose()
+
+
+async def test_a_try_that_hands_a_free_name_to_a_waiter_of_its_own_client_wakes_it(
+    redis_plain: ServerProcess,
+) -> None:
+    """A lease ended without a release (no keyspace events here) while a waiter of the same
+    client is queued: another task's try makes that waiter the owner, and its acquire's
+    reply carries no grant, so the grant is published even within the client: the waiter
+    wakes at once, not at its 30 s safety-net timer."""
+    client, admin = client_from_url(redis_plain.url), client_from_url(redis_plain.url)
+    try:
+        await admin.flushall()
+        holder, waiter = RedisMutex(client, "own", ttl=30), RedisMutex(client, "own", ttl=30)
+        probe = QueueProbe(client)
+        assert await holder.acquire()
+        waiting = asyncio.create_task(waiter.acquire(timeout=20))
+        await probe.wait_queued(1)
+        await admin.delete("aiolocks:mutex:{own}:owner")  # the holder's lease ends
+        assert await RedisMutex(client, "own", ttl=30).acquire(blocking=False) is False
+        assert await asyncio.wait_for(waiting, 5)
+        await waiter.release()
+        with contextlib.suppress(LockLost, LockNotOwned):
+            await holder.release()
+    finally:
+        await close_client(client)
+        await close_client(admin)

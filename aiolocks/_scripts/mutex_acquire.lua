@@ -40,10 +40,11 @@ if not current then
     redis.call('SET', owner, token, 'PX', ttl)
     return {1, grant_fence(fence_key, token, ttl, stored, true)}
   end
-  local next_token, next_ttl, next_tag = split_member(first)
+  local next_token, next_ttl = split_member(first)
   redis.call('SET', owner, next_token, 'PX', next_ttl)
   local fence = grant_fence(fence_key, next_token, next_ttl, stored, true)
-  announce(channel, next_token, fence, next_ttl, next_tag, tag)
+  -- Published even to the caller's own client: this reply does not carry the grant.
+  announce(channel, next_token, fence, next_ttl, nil, tag)
   stored = fence + fence_block(next_token) - 1
 end
 
