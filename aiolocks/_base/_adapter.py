@@ -10,9 +10,13 @@ tests/test_adapter.py checks each on every supported release (`nox -s compat`).
 What differs by release, and how it is met here:
 - `ConnectionPool.get_connection()` takes a command name before redis-py 5.3 (required)
   and warns when given one from 5.3 on: `pooled_connection` passes it only where needed.
-- the asyncio `PubSub.ssubscribe()` exists from redis-py 8.0 (valkey-py 6.1): before,
-  `ssubscribe` sends SSUBSCRIBE itself and re-sends it when the connection re-connects,
-  as the newer clients do for their own sharded channels.
+- the asyncio `PubSub.ssubscribe()` exists from redis-py 8.0 (valkey-py 6.1.0-6.2.0 have
+  none): before, `ssubscribe` writes SSUBSCRIBE itself and re-sends it when the connection
+  re-connects, as the newer clients do for their own sharded channels. It writes it on the
+  connection, not through `PubSub.execute_command`, whose health check (with
+  `health_check_interval` set) sends a PING and reads its reply: a second reader beside
+  the notifier's, which redis-py refuses ("read() called while another coroutine is
+  already waiting") and valkey-py 6.2 takes a subscription's confirmation for.
 - uvloop's transports are no `asyncio.Transport` subclasses: `socket_transport` asks for
   what the engine uses of a transport, not for a class.
 """
@@ -194,7 +198,7 @@ async def ssubscribe(pubsub: Any, channel: bytes) -> None:
     sharded = _SHARDED.get(pubsub)
     if sharded is None:
         sharded = _SHARDED[pubsub] = _Sharded()
-    await pubsub.execute_command("SSUBSCRIBE", channel)
+    await _write(pubsub, "SSUBSCRIBE", channel)
     sharded.channels.add(channel)
     sharded.watch(pubsub.connection)
 
@@ -207,4 +211,11 @@ async def sunsubscribe(pubsub: Any, channel: bytes) -> None:
     sharded = _SHARDED.get(pubsub)
     if sharded is not None:
         sharded.channels.discard(channel)
-    await pubsub.execute_command("SUNSUBSCRIBE", channel)
+    await _write(pubsub, "SUNSUBSCRIBE", channel)
+
+
+async def _write(pubsub: Any, *args: Any) -> None:
+    """Write a command on `pubsub`'s connection (connected first), its reply left to the
+    reader: without the health check, whose PING reply would be read here."""
+    await pubsub.connect()
+    await pubsub.connection.send_command(*args, check_health=False)
