@@ -16,7 +16,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .._base import _adapter
-from .._base._errors import REDIS_ERRORS
+from .._base._errors import REDIS_ERRORS, TIMEOUT_ERRORS
 
 __all__ = ["Link"]
 
@@ -98,6 +98,14 @@ class Link:
         # reader's read, a second reader (redis-py refuses it, valkey-py 6.2 mistakes one
         # reply for the other). The reader's blocking read needs none.
         connection.health_check_interval = 0
+
+    def idle(self, error: Exception) -> bool:
+        """Whether a failed read only timed out on a quiet, still open connection (the
+        client's `socket_timeout`): nothing is wrong, no message came."""
+        connection = None if self.pubsub is None else self.pubsub.connection
+        return (
+            isinstance(error, TIMEOUT_ERRORS) and connection is not None and connection.is_connected
+        )
 
     async def disconnect(self) -> None:
         """Drop the socket (after a failed read): the next read re-connects and
