@@ -34,7 +34,9 @@ import redis.asyncio
 
 __all__ = [
     "NEVER_DECODE",
+    "close_engine_client",
     "close_idle_connections",
+    "engine_client",
     "holds_connections",
     "needs_initialise",
     "node_client",
@@ -64,10 +66,13 @@ _TRANSPORT_METHODS = (
 
 # The single-server clients' pool classes, of redis-py and (if installed) valkey-py.
 _POOLS: tuple[type[Any], ...] = (redis.asyncio.ConnectionPool,)
+# valkey-py's single-server client class, if installed.
+_VALKEY: tuple[type[Any], ...] = ()
 try:
     import valkey.asyncio
 
     _POOLS += (valkey.asyncio.ConnectionPool,)
+    _VALKEY = (valkey.asyncio.Valkey,)
 except ImportError:  # valkey-py is optional
     pass
 
@@ -144,6 +149,32 @@ def node_client(node: Any) -> Any:
 
 # The single-server client class of each library, by the library's package name.
 _SINGLE_CLIENT = {"redis": "Redis", "valkey": "Valkey"}
+
+
+def engine_client(client: Any) -> Any:
+    """A client for the engine's own connections to `client`'s server: the same connection
+    class and settings (address or unix socket, credentials, TLS, protocol, timeouts,
+    retry, client name), in a pool of its own. So the connections the engine keeps (the
+    auto-pipeline's link, pub/sub) and its background calls never count against the
+    user's `max_connections`, never wait in a `BlockingConnectionPool`, and never share
+    a `single_connection_client`'s one connection. `client` itself when it has no such
+    pool (a Cluster client: its pub/sub is per node already, see `node_client`)."""
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, _POOLS):
+        return client
+    library = "valkey" if isinstance(client, _VALKEY) else "redis"
+    module = importlib.import_module(f"{library}.asyncio")
+    own = module.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
+    return getattr(module, _SINGLE_CLIENT[library])(connection_pool=own)
+
+
+async def close_engine_client(engine: Any, client: Any) -> None:
+    """Close what `engine_client(client)` made (nothing if it was `client` itself): every
+    connection of its pool, ignoring errors."""
+    if engine is client:
+        return
+    with contextlib.suppress(Exception):
+        await engine.connection_pool.disconnect()
 
 
 async def close_idle_connections(client: Any) -> None:
