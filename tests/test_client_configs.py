@@ -21,6 +21,7 @@ tests/test_compat.py does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -34,8 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio
 from _servers import ServerKind, ServerProcess, binary_path
 from test_compat import _pip_target
+
+from aiolocks import RedisMutex
+from aiolocks._base import _adapter
+from aiolocks._engine._context import context_for
 
 pytestmark = pytest.mark.slow
 
@@ -184,3 +190,24 @@ def test_a_clean_exit_right_after_a_cancellation_withdraws_the_waiter(
     cell = matrix.result(release)["exits"][exit_]
     assert cell["queue_left"] == 0, cell  # the cancelled waiter's entry withdrawn
     assert cell["ok"], cell  # exit status 0, nothing on stderr ("never awaited")
+
+
+async def test_closing_the_client_closes_the_engines_connections(url: str) -> None:
+    """The engine's connections are its own (not the pool's), yet `client.aclose()` closes
+    them too, as it did when they were the pool's: a program that makes a client per job
+    leaves no connection open."""
+    client = redis.asyncio.Redis.from_url(url, max_connections=1)
+    try:
+        holder = RedisMutex(client, "cfg:closed")
+        await holder.acquire()
+        waiter = asyncio.create_task(RedisMutex(client, "cfg:closed").acquire(timeout=10))
+        await asyncio.sleep(0.3)  # queued and subscribed (the release wakes it either way)
+        await holder.release()
+        assert await waiter
+        engine = context_for(client).engine
+        assert _adapter.holds_connections(engine)  # the link and pub/sub, at least
+        assert await client.get("cfg:user") is None  # the user's one connection is free
+        await client.aclose()
+        assert not _adapter.holds_connections(engine)
+    finally:
+        await client.aclose()

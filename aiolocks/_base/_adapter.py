@@ -165,7 +165,35 @@ def engine_client(client: Any) -> Any:
     library = "valkey" if isinstance(client, _VALKEY) else "redis"
     module = importlib.import_module(f"{library}.asyncio")
     own = module.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
+    _closed_with(pool, own)
     return getattr(module, _SINGLE_CLIENT[library])(connection_pool=own)
+
+
+# The engine's own pools of each user's pool, closed whenever it is (see `_closed_with`).
+_OWN_POOLS = "_aiolocks_engine_pools"
+
+
+def _closed_with(pool: Any, own: Any) -> None:
+    """Disconnect `own` whenever `pool` disconnects (`client.aclose()`, `pool.aclose()`): a
+    client closed by its user closes the engine's connections too, as when they were the
+    pool's own (a program that makes a client per job leaves none open). The first call
+    wraps the pool instance's `disconnect`; the engine's pools are weakly referenced."""
+    pools: weakref.WeakSet[Any] | None = pool.__dict__.get(_OWN_POOLS)
+    if pools is None:
+        pools = weakref.WeakSet()
+        setattr(pool, _OWN_POOLS, pools)
+        disconnect = pool.disconnect
+
+        async def disconnect_all(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await disconnect(*args, **kwargs)
+            finally:
+                for each in list(pools):
+                    with contextlib.suppress(Exception):
+                        await each.disconnect(*args, **kwargs)
+
+        pool.disconnect = disconnect_all
+    pools.add(own)
 
 
 async def close_engine_client(engine: Any, client: Any) -> None:
