@@ -31,14 +31,9 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
 
-from aiolocks import (
-    LockLost,
-    LockTimeout,
-    RedisElection,
-    RedisMutex,
-    RedisReadWriteLock,
-    RedisSemaphore,
-)
+from _compat_smoke import _sides
+
+from aiolocks import LockLost, LockTimeout, RedisMutex
 from aiolocks.testing import expire_lease
 
 TTL = 60.0  # renewals and heartbeats every 20 s: none falls into a window
@@ -46,8 +41,6 @@ WAKE_BOUND = 3.0  # a grant message arrives in milliseconds; the timer fallback 
 QUEUED_BOUND = 10.0  # every waiter queued by then, on a loaded machine
 MIN_WINDOW = 2.5  # longer than socket_timeout=1 and health_check_interval=1
 KINDS = ("mutex", "semaphore", "rwlock", "election")
-
-Side = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 
 def configurations(library: str, url: str, unix: str) -> dict[str, Callable[[], Any]]:
@@ -78,26 +71,6 @@ def configurations(library: str, url: str, unix: str) -> dict[str, Callable[[], 
         "max_connections=3": lambda: cls.from_url(url, max_connections=3),
         "client_name": lambda: cls.from_url(url, client_name="aiolocks-matrix"),
     }
-
-
-def _sides(kind: str, name: str) -> tuple[Side, Side]:
-    """Two ways to enter `name` that exclude each other (holder, waiter)."""
-    if kind == "mutex":
-        return (lambda c: RedisMutex(c, name, ttl=TTL)), (lambda c: RedisMutex(c, name, ttl=TTL))
-    if kind == "semaphore":
-        return (
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
-        )
-    if kind == "rwlock":
-        return (
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).write()),
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).read()),
-        )
-    return (
-        (lambda c: RedisElection(c, name, ttl=TTL).campaign("a")),
-        (lambda c: RedisElection(c, name, ttl=TTL).campaign("b")),
-    )
 
 
 def _read_timeout(client: Any) -> float | None:
@@ -149,8 +122,8 @@ async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[
     try:
         window = max(MIN_WINDOW, (_read_timeout(b) or 0.0) + 1.0)
         report["window"] = window
-        first = {kind: _sides(kind, f"{tag}-{kind}-1") for kind in KINDS}
-        fresh = {kind: _sides(kind, f"{tag}-{kind}-2") for kind in KINDS}
+        first = {kind: _sides(kind, f"{tag}-{kind}-1", TTL) for kind in KINDS}
+        fresh = {kind: _sides(kind, f"{tag}-{kind}-2", TTL) for kind in KINDS}
         holders = {kind: first[kind][0](a) for kind in KINDS}
         for holder in holders.values():
             await holder.__aenter__()
@@ -210,7 +183,7 @@ async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[
             assert woke - released < WAKE_BOUND, f"{kind} (fresh name): woken late"
         # 5. A lost lease: LockLost out of `async with`.
         for kind in KINDS:
-            side = _sides(kind, f"{tag}-{kind}-3")[0](a)
+            side = _sides(kind, f"{tag}-{kind}-3", TTL)[0](a)
             try:
                 async with side as held:
                     target: Any = held if kind == "election" else side
