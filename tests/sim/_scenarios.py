@@ -5,6 +5,7 @@ reproduces one of issue 24's five bugs on the code before its fix (`python -m te
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -461,9 +462,10 @@ async def loop_ends_after_cancelling_waiters(scene: Scene) -> None:
             for waiter in waiters:
                 waiter.cancel()  # and return at once: the loop ends
 
-        ended = asyncio.get_running_loop().create_future()
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         last = scene.start(proc, main(), "main")
-        last.add_done_callback(lambda _, proc=proc, ended=ended: _end_loop(scene, proc, ended))
+        # Run in the step after main's last, as asyncio.run's own stop is (main's callback).
+        last.add_done_callback(functools.partial(_end_loop, scene, proc, ended))
         await ended
     later: list[float] = []
 
@@ -483,7 +485,7 @@ async def loop_ends_after_cancelling_waiters(scene: Scene) -> None:
         scene.world.violate(f"the waiter behind the ended processes got the lock after {waited}")
 
 
-def _end_loop(scene: Scene, proc: Proc, ended: asyncio.Future[None]) -> None:
+def _end_loop(scene: Scene, proc: Proc, ended: asyncio.Future[None], _: object) -> None:
     """What `asyncio.run()` does once `main` returned, for the tasks of `proc` only: cancel
     every task it finds (one created in main's last step, before its first step), wait for
     them, then close the async generators (`shutdown_asyncgens`: the engine's loop end)."""
