@@ -36,11 +36,13 @@ from typing import Any
 
 import pytest
 import redis.asyncio
+import redis.exceptions
 from _servers import ServerKind, ServerProcess, binary_path
 from test_compat import _pip_target
 
-from aiolocks import RedisMutex
+from aiolocks import RedisMutex, ServerUnavailable
 from aiolocks._base import _adapter
+from aiolocks._base._errors import map_redis_errors
 from aiolocks._engine._context import context_for
 
 pytestmark = pytest.mark.slow
@@ -211,3 +213,18 @@ async def test_closing_the_client_closes_the_engines_connections(url: str) -> No
         assert not _adapter.holds_connections(engine)
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        redis.exceptions.ConnectionError("Too many connections"),  # redis-py before 6.0
+        redis.exceptions.MaxConnectionsError("Too many connections"),
+        redis.exceptions.ConnectionError("No connection available."),  # a blocking pool's
+    ],
+)
+def test_a_pool_that_ran_out_is_not_called_unreachable(error: Exception) -> None:
+    with pytest.raises(ServerUnavailable) as raised, map_redis_errors("m"):
+        raise error
+    text = str(raised.value)
+    assert "max_connections" in text and "unreachable" not in text, text
