@@ -21,7 +21,13 @@ from ._engine._context import ClientContext, context_for
 from ._engine._settings import validate_timeout
 from ._scripts import load
 
-__all__ = ["RateLimiterInfo", "RateLimiterStatistics", "RedisRateLimiter"]
+__all__ = [
+    "RateLimiterInfo",
+    "RateLimiterStatistics",
+    "RedisRateLimiter",
+    "validate_cost",
+    "validate_settings",
+]
 
 _ACQUIRE = load("ratelimit_acquire", "ratelimit")
 _GIVE_BACK = load("ratelimit_give_back", "ratelimit")
@@ -91,6 +97,30 @@ def _count(value: object, what: str, most: int) -> int:
     return value
 
 
+def validate_settings(rate: object, per: object, burst: object) -> tuple[float, float, int, int]:
+    """(rate, per, burst, microseconds per permit) if they can be a limiter's settings;
+    `burst` None is `rate` (at least 1). Raises `TypeError`/`ValueError` naming the
+    argument otherwise."""
+    rate = _positive(rate, "rate")
+    per = _positive(per, "per")
+    if burst is None:
+        burst = max(1, min(MAX_BURST, math.floor(rate)))
+    burst = _count(burst, "burst", MAX_BURST)
+    # Microseconds per permit, rounded up: never faster than asked.
+    interval = math.ceil(per * 1e6 / rate)
+    if interval * burst > _MAX_SPAN_US:
+        raise ValueError(
+            f"per / rate x burst must be at most {_MAX_SPAN_US / 1e6:.0f} s, got "
+            f"{per:g} / {rate:g} x {burst}"
+        )
+    return rate, per, burst, interval
+
+
+def validate_cost(cost: object, burst: int) -> int:
+    """`cost` if it is a number of permits one call may take (1..burst); raises if not."""
+    return _count(cost, "cost", burst)
+
+
 @final
 class RedisRateLimiter:
     """At most `rate` permits per `per` seconds on average, across every process using the
@@ -140,18 +170,7 @@ class RedisRateLimiter:
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
-        self._rate = _positive(rate, "rate")
-        self._per = _positive(per, "per")
-        if burst is None:
-            burst = max(1, min(MAX_BURST, math.floor(self._rate)))
-        self._burst = _count(burst, "burst", MAX_BURST)
-        # Microseconds per permit, rounded up: never faster than asked.
-        interval = math.ceil(self._per * 1e6 / self._rate)
-        if interval * self._burst > _MAX_SPAN_US:
-            raise ValueError(
-                f"per / rate x burst must be at most {_MAX_SPAN_US / 1e6:.0f} s, got "
-                f"{self._per:g} / {self._rate:g} x {self._burst}"
-            )
+        self._rate, self._per, self._burst, interval = validate_settings(rate, per, burst)
         self._interval = interval
         self._timeout = validate_timeout(timeout)
         self._key = KeySpace(validate_prefix(prefix), "ratelimit", self._name).key("state")
@@ -207,7 +226,7 @@ class RedisRateLimiter:
         timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
-        _count(cost, "cost", self._burst)
+        validate_cost(cost, self._burst)
         if not blocking:
             timeout = 0.0
         refused: list[float] = []
