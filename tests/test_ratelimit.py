@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio
+from _cli import cli
 from _cluster import Cluster
 from _servers import arun_workers, command_count
+from _web import ONE_SERVER
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
@@ -294,3 +296,33 @@ async def test_cluster(cluster: Cluster, cluster_r: RedisCluster) -> None:
     assert time.monotonic() - started >= 0.04  # each waited ~50 ms for its slot
     info = await limiters[0].inspect()
     assert (info.rate, info.burst) == (20.0, 2)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+@ONE_SERVER
+async def test_cli_inspect_and_list_show_the_next_slot_and_the_settings(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=100, per=60.0, burst=2)
+    assert await limiter.acquire(cost=2)
+    shown = await cli("inspect", "api", "--url", url, "--json")
+    assert shown.code == 0, shown.err
+    view = shown.json()
+    assert view["kind"] == "ratelimit" and view["holders"] == [] and view["queue"] == []
+    summary = view["summary"]
+    assert (summary["rate"], summary["per"], summary["burst"]) == (100.0, 60.0, 2)
+    assert summary["available"] == 0 and 0 < summary["next_free_ms"] <= 600, summary
+    assert view["state"].startswith("next slot in ") and view["state"].endswith("100 per 60 s")
+
+    table = await cli("inspect", "api", "--url", url)
+    assert table.code == 0 and "next free slot" in table.out and "100 per 60 s" in table.out
+
+    listed = await cli("list", "--url", url, "--json")
+    assert [(row["kind"], row["name"]) for row in listed.json()] == [("ratelimit", "api")]
+    assert listed.json()[0]["state"].endswith("100 per 60 s")
+    assert "ratelimit" in (await cli("list", "--url", url)).out
+
+    refused = await cli("release", "api", "--force", "--yes", "--url", url)
+    assert refused.code != 0 and "is not a lock" in refused.err
