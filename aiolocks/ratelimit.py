@@ -29,9 +29,9 @@ __all__ = [
     "validate_settings",
 ]
 
-_ACQUIRE = load("ratelimit_acquire", "ratelimit")
-_GIVE_BACK = load("ratelimit_give_back", "ratelimit")
-_INSPECT = load("ratelimit_inspect", "ratelimit")
+_ACQUIRE = load("ratelimit_acquire", "ratelimit", prelude=False)
+_GIVE_BACK = load("ratelimit_give_back", "ratelimit", prelude=False)
+_INSPECT = load("ratelimit_inspect", "ratelimit", prelude=False)
 
 MAX_BURST = 2**31 - 1
 # The longest a burst may span (burst x interval), in microseconds: the scripts' integer
