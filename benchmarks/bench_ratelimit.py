@@ -30,15 +30,10 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from aiolocks import RedisRateLimiter
-from benchmarks._harness import (
+from _harness import (
     RESULTS,
     bench_server,
     fmt,
@@ -47,6 +42,8 @@ from benchmarks._harness import (
     server_info,
     write_json,
 )
+
+from aiolocks import RedisRateLimiter
 
 
 class Limiter:
