@@ -34,6 +34,8 @@ _GIVE_BACK = load("ratelimit_give_back", "ratelimit", prelude=False)
 _INSPECT = load("ratelimit_inspect", "ratelimit", prelude=False)
 
 MAX_BURST = 2**31 - 1
+# The scripts count whole microseconds per permit.
+MAX_RATE = 1_000_000
 # The longest a burst may span (burst x interval), in microseconds: the scripts' integer
 # arithmetic on server microseconds (about 1.8e15) stays exact below 2^53.
 _MAX_SPAN_US = 2**50
@@ -103,6 +105,11 @@ def validate_settings(rate: object, per: object, burst: object) -> tuple[float, 
     argument otherwise."""
     rate = _positive(rate, "rate")
     per = _positive(per, "per")
+    if rate / per > MAX_RATE:
+        raise ValueError(
+            f"rate / per must be at most {MAX_RATE:,} per second (one permit per µs), got "
+            f"{rate:g} / {per:g}"
+        )
     if burst is None:
         burst = max(1, min(MAX_BURST, math.floor(rate)))
     burst = _count(burst, "burst", MAX_BURST)

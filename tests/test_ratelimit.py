@@ -224,6 +224,7 @@ async def test_key_expires_once_idle(r: redis.asyncio.Redis) -> None:
         ({"rate": 10, "timeout": -1}, ValueError, "timeout must be >= 0"),
         ({"rate": 10, "prefix": ""}, ValueError, "prefix must not be empty"),
         ({"rate": 1e-9, "per": 1e9}, ValueError, "per / rate x burst must be at most"),
+        ({"rate": 2e6}, ValueError, "rate / per must be at most 1,000,000 per second"),
     ],
 )
 def test_bad_settings_fail_at_construction(
