@@ -116,16 +116,15 @@ class Scene:
     async def release(self, proc: Proc, lock: Any, hold: Hold | None, who: str) -> None:
         if hold is None:
             return
-        hold.released_at = self.loop.time()
-        valid = min((lease.valid_until for lease in hold.leases), default=hold.released_at)
+        released = self.world.released(hold)
+        valid = min((lease.valid_until for lease in hold.leases), default=released)
         try:
             await lock.release()
         except LockLost as exc:
             self.world.net.log(f"{who}: release raised {exc!r}")
         valid = max(valid, _validity(hold, valid))  # renewals move it while the release waits
         self.run.check_call_time(
-            proc, hold.released_at, max(0.0, valid - hold.released_at), f"{who} release",
-            slack=0.3,
+            proc, released, max(0.0, valid - released), f"{who} release", slack=0.3,
         )  # fmt: skip
 
 
@@ -187,8 +186,8 @@ async def waiter_behind_a_taken_over_holder(scene: Scene) -> None:
         await asyncio.sleep(0.1)
         # The owner key is deleted under A1 (an eviction, a forced release) and B takes it.
         scene.world.net.log("operator: DEL the owner key")
+        hold.taken_away = scene.at()  # (an operator's doing: the oracle excuses it)
         scene.world.net.run_command(b"DEL", b"aiolocks:mutex:{m}:owner")
-        hold.taken_away = scene.at()
         scene.start(b, other(), "B2")
         await asyncio.sleep(0.1)
         scene.start(a, second(), "A2")
