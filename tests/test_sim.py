@@ -54,6 +54,9 @@ SCENARIOS = {
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
     "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
     "cohort-release-bound": "found by the simulation: a cohort release past the validity",
+    "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
+    "clock-back": "issue 33: fences rise across a server clock stepped back",
+    "crash-while-queued": "issue 33: a dead process's queued tasks are purged, the queue moves on",
 }
 
 
