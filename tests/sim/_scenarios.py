@@ -492,8 +492,9 @@ async def clock_back(scene: Scene) -> None:
 @scenario
 async def crash_while_queued(scene: Scene) -> None:
     """Issue 33: D dies while three of its tasks wait in the queue of "m" (ttl 1 s), ahead
-    of W; when H releases 2.5 s later, D's entries are dead and W must be granted at once
-    (a queue that does not purge them grants the dead, and W waits a ttl per entry)."""
+    of W; when H releases 1.25 s later, D's entries are dead (and no re-check of W's has
+    purged them yet) and W must be granted at once (a queue that does not purge them grants
+    the dead, and W waits a ttl per entry)."""
     h, d, w = scene.proc("H"), scene.proc("D"), scene.proc("W")
     clients = scene.world.clients
     released: list[float] = []
@@ -501,7 +502,7 @@ async def crash_while_queued(scene: Scene) -> None:
     async def holder() -> None:
         lock = RedisMutex(clients[h], "m", ttl=1.0)
         hold = await scene.acquire(h, lock, "H")
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(1.75)
         released.append(scene.at())
         await scene.release(h, lock, hold, "H")
 

@@ -159,16 +159,16 @@ MUTANTS = [
     Mutant(
         "renewal-waits-past-validity",
         "aiolocks/_leases/_renewal.py",
-        "            if now >= deadline:\n                raise failure or TimeoutError",
-        "            if False:\n                raise failure or TimeoutError",
-        "an unanswered renewal is waited for past the leases' validity",
+        "    deadline = now + min(\n",
+        "    deadline = now + 3600 + 0 * min(\n",
+        "an unanswered renewal is waited for an hour, past the leases' validity",
     ),
     # -- waiting ------------------------------------------------------------------------
     Mutant(
         "stale-grant-believed",
-        "aiolocks/_waiting/_waitqueue.py",
-        "        if waiter.stale(fence):\n            return True\n",
-        "",
+        "aiolocks/_waiting/_lot.py",
+        "        return fence <= self.floor",
+        "        return False",
         "a grant at or below the fence floor is believed (issue 24's bug 1)",
     ),
     Mutant(
@@ -330,11 +330,14 @@ def first_violation(output: str) -> tuple[str, str | None]:
 
 
 def kind_of(violation: str) -> str:
-    """The check that reported `violation` (its leading capitalised words)."""
+    """The check that reported `violation`: its leading words in capitals (with the
+    history's or the server's mark), else the text before its first colon."""
     text = re.sub(r"^t=\S+ ", "", violation)
-    match = re.match(r"([A-Z][A-Za-z]*(?: [A-Z][A-Za-z]*)*(?: \([a-z]+\))?)", text)
-    if match and match.group(1).upper() == match.group(1)[:1] + match.group(1)[1:].upper():
-        return match.group(1)
+    if text.startswith("NO LockLost"):
+        return "NO LockLost"
+    match = re.match(r"((?:[A-Z]{2,} )*[A-Z]{2,})\b( \((?:server|history)\))?", text)
+    if match:
+        return match.group(1) + (match.group(2) or "")
     return text.split(":")[0][:40]
 
 
