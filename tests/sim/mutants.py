@@ -269,8 +269,9 @@ class Outcome:
     seconds: float
 
 
-def run_one(mutant: Mutant | None) -> Outcome:
-    """Apply `mutant` (None: the control) to a fresh copy and run the simulation there."""
+def run_one(mutant: Mutant | None, scenarios_first: bool = True) -> Outcome:
+    """Apply `mutant` (None: the control) to a fresh copy and run the simulation there
+    (without the scenarios if not `scenarios_first`: which seeds alone catch it)."""
     started = time.monotonic()
     name = "control" if mutant is None else mutant.name
     with tempfile.TemporaryDirectory(prefix=f"aiolocks-mutant-{name}-") as tmp:
@@ -279,11 +280,14 @@ def run_one(mutant: Mutant | None) -> Outcome:
         if mutant is not None:
             apply(mutant, root)
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED="0")
-        scenarios = _sim(root, env, "--all-scenarios", "--json")
-        if scenarios.returncode not in (0, 1) or not scenarios.stdout.strip():
-            detail = (scenarios.stderr or scenarios.stdout)[-300:]
-            return Outcome(name, True, "run failed", "scenarios", detail, _since(started))
-        for scenario, result in json.loads(scenarios.stdout).items():
+        results = {}
+        if scenarios_first:
+            scenarios = _sim(root, env, "--all-scenarios", "--json")
+            if scenarios.returncode not in (0, 1) or not scenarios.stdout.strip():
+                detail = (scenarios.stderr or scenarios.stdout)[-300:]
+                return Outcome(name, True, "run failed", "scenarios", detail, _since(started))
+            results = json.loads(scenarios.stdout)
+        for scenario, result in results.items():
             if result["violations"]:
                 first = result["violations"][0]
                 return Outcome(
@@ -347,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="run only these mutants (by name)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (2 cores)")
     parser.add_argument("--no-control", action="store_true", help="skip the unmutated run")
+    parser.add_argument(
+        "--seeds-only", action="store_true", help="judge by the seeds alone (no scenarios)"
+    )
     options = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if not options.only or m.name in options.only]
     if options.only and len(mutants) != len(set(options.only)):
@@ -366,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.extend(mutants)
     outcomes: dict[str, Outcome] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
-        futures = {pool.submit(run_one, m): m for m in jobs}
+        futures = {pool.submit(run_one, m, not options.seeds_only): m for m in jobs}
         for future in concurrent.futures.as_completed(futures):
             outcome = future.result()
             outcomes[outcome.name] = outcome
