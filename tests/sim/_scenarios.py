@@ -513,8 +513,10 @@ async def crash_while_queued(scene: Scene) -> None:
     async def waiter() -> None:
         lock = RedisMutex(clients[w], "m", ttl=1.0)
         hold = await scene.acquire(w, lock, "W", timeout=20)
-        if hold is None or not released:
+        if hold is None:
             scene.world.violate("QUEUE STUCK: W was not granted the name H released")
+        elif not released:
+            scene.world.violate("QUEUE ORDER: W was granted the name before H released it")
         elif hold.start - released[0] > GRANT_BOUND:
             scene.world.violate(
                 f"QUEUE STUCK: W granted {hold.start - released[0]:.3f} s after H's release "
