@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             outcome = future.result()
             outcomes[outcome.name] = outcome
             status = f"caught by {outcome.by} ({outcome.where})" if outcome.caught else "SURVIVED"
+            if outcome.name == "control":
+                status = f"violation: {outcome.detail}" if outcome.caught else "no violation"
             print(f"{outcome.name:34} {status}  [{outcome.seconds:.0f} s]", flush=True)
     control = outcomes.pop("control", None)
     print()
