@@ -242,10 +242,11 @@ def check(mutants: list[Mutant], root: Path = ROOT) -> None:
         raise SnippetMissing("\n".join(problems))
 
 
-def copy_tree(into: Path) -> None:
-    """The library and the simulation, as they are in the worktree now."""
-    shutil.copytree(ROOT / "aiolocks", into / "aiolocks", ignore=_IGNORE)
-    shutil.copytree(ROOT / "tests" / "sim", into / "tests" / "sim", ignore=_IGNORE)
+def copy_tree(into: Path, tree: Path = ROOT) -> None:
+    """The library and the simulation, as they are in `tree` now (this worktree, or
+    another checkout whose simulation is to be scored on the same mutants)."""
+    shutil.copytree(tree / "aiolocks", into / "aiolocks", ignore=_IGNORE)
+    shutil.copytree(tree / "tests" / "sim", into / "tests" / "sim", ignore=_IGNORE)
 
 
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -269,14 +270,14 @@ class Outcome:
     seconds: float
 
 
-def run_one(mutant: Mutant | None, scenarios_first: bool = True) -> Outcome:
-    """Apply `mutant` (None: the control) to a fresh copy and run the simulation there
-    (without the scenarios if not `scenarios_first`: which seeds alone catch it)."""
+def run_one(mutant: Mutant | None, scenarios_first: bool = True, tree: Path = ROOT) -> Outcome:
+    """Apply `mutant` (None: the control) to a fresh copy of `tree` and run the simulation
+    there (without the scenarios if not `scenarios_first`: which seeds alone catch it)."""
     started = time.monotonic()
     name = "control" if mutant is None else mutant.name
     with tempfile.TemporaryDirectory(prefix=f"aiolocks-mutant-{name}-") as tmp:
         root = Path(tmp)
-        copy_tree(root)
+        copy_tree(root, tree)
         if mutant is not None:
             apply(mutant, root)
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED="0")
@@ -293,7 +294,10 @@ def run_one(mutant: Mutant | None, scenarios_first: bool = True) -> Outcome:
                 return Outcome(
                     name, True, kind_of(first), f"scenario {scenario}", first, _since(started)
                 )
-        seeds = _sim(root, env, "--seeds", SEEDS, "--duration", DURATION, "--fail-fast")
+        fast = (
+            ["--fail-fast"] if "--fail-fast" in (root / "tests/sim/__main__.py").read_text() else []
+        )
+        seeds = _sim(root, env, "--seeds", SEEDS, "--duration", DURATION, *fast)
         seed, first = first_violation(seeds.stdout)
         if first is not None:
             return Outcome(name, True, kind_of(first), f"seed {seed}", first, _since(started))
@@ -354,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seeds-only", action="store_true", help="judge by the seeds alone (no scenarios)"
     )
+    parser.add_argument(
+        "--tree", type=Path, default=ROOT, help="score another checkout's simulation"
+    )
     options = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if not options.only or m.name in options.only]
     if options.only and len(mutants) != len(set(options.only)):
@@ -361,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown mutants: {sorted(set(options.only) - known)}", file=sys.stderr)
         return 2
     try:
-        check(mutants)
+        check(mutants, options.tree)
     except SnippetMissing as exc:
         print(f"error: mutants out of date with the code:\n{exc}", file=sys.stderr)
         return 2
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.extend(mutants)
     outcomes: dict[str, Outcome] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
-        futures = {pool.submit(run_one, m, not options.seeds_only): m for m in jobs}
+        futures = {pool.submit(run_one, m, not options.seeds_only, options.tree): m for m in jobs}
         for future in concurrent.futures.as_completed(futures):
             outcome = future.result()
             outcomes[outcome.name] = outcome
