@@ -466,7 +466,7 @@ def test_missing_extra_raises_a_clear_import_error(monkeypatch: pytest.MonkeyPat
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # `import opentelemetry` fails
     monkeypatch.delitem(sys.modules, "aiolocks.otel._recorder")
-    monkeypatch.delattr(aiolocks, "_otel")
+    monkeypatch.delattr(aiolocks.otel, "_recorder")
     with pytest.raises(ImportError, match=r"pip install 'aiolocks\[otel\]'"):
         aiolocks.otel.instrument()
     assert not aiolocks.otel.is_instrumented()
