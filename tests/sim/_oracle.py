@@ -23,8 +23,9 @@ simulator saw the granting or renewing request written on its connection:
   `async with` is cancelled and `LockLost` raised.
 
 Excused, each where it is checked: a restart without persistence (`_restart_excuse`: a
-belief from before it lasts until the holder's next renewal tells it). The simulation has
-no replica failover with data loss; a server clock stepped back keeps every key.
+belief from before it lasts until the holder's next renewal tells it, ttl/3 after). The
+simulation has no replica failover with data loss; a server clock stepped back keeps every
+key.
 """
 
 from __future__ import annotations
@@ -278,18 +279,22 @@ class Oracle:
                 + ("has no lease of its token" if deadline is None else "ended its lease"),
             )
 
-    def _restart_excuse(self, hold: Hold, lease: Any) -> bool:
+    def _restart_excuse(self, hold: Hold, lease: Any, timed: bool = True) -> bool:
         """The documented gap of a restart without persistence: a holder granted before it
-        believes until its next renewal tells it otherwise; a validity the engine counted
-        from a request answered after the restart is not excused."""
+        believes until its next renewal tells it otherwise, a third of its ttl after the
+        server answers again (its loop's stalls added; `timed=False`: however long). A
+        validity counted from a request answered after the restart is never excused."""
         starts = self.net.restart_starts
         if not starts:
             return False
         history = self.world.recorder.validity.get(id(lease), [])
         set_at = history[-1][0] if history else hold.start
+        now = self.world.loop.time()
         for start, answers in zip(starts, self.net.restarts, strict=True):
             if self.world.since(hold) < start and set_at < answers:
-                return True
+                gap = hold.ttl / 3 + 0.5 + hold.proc.stalled_between(start, now)
+                if not timed or now <= answers + gap:
+                    return True
         return False
 
     def violation(self, key: tuple[Any, str], text: str) -> None:
@@ -335,7 +340,7 @@ class Oracle:
             marks = [hold.released_at, hold.lost_at(), getattr(hold.proc, "crashed_at", None)]
             if any(m is not None and m <= due for m in marks):
                 continue
-            if any(self._restart_excuse(hold, lease) for lease in hold.leases):
+            if any(self._restart_excuse(hold, lease, timed=False) for lease in hold.leases):
                 continue
             lost = hold.lost_at()
             late = "never" if lost is None else f"{lost - end:.3f} s after it"
