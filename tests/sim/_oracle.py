@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from ._net import Conn
     from ._world import Hold, World
 
+# A fault of a holder's own this long before a restart may still slow its next renewal
+# (slow renewal replies last up to 12 s): it learns of the restart by its validity's end.
+TROUBLE_BEFORE = 15.0
+
 # The documented validity (docs/architecture.md, "Invariants"): sent + ttl x 0.99 - 2 ms.
 DRIFT = 0.01
 MARGIN = 0.002
@@ -279,11 +283,12 @@ class Oracle:
                 + ("has no lease of its token" if deadline is None else "ended its lease"),
             )
 
-    def _restart_excuse(self, hold: Hold, lease: Any, timed: bool = True) -> bool:
+    def _restart_excuse(self, hold: Hold, lease: Any) -> bool:
         """The documented gap of a restart without persistence: a holder granted before it
         believes until its next renewal tells it otherwise, a third of its ttl after the
-        server answers again (its loop's stalls added; `timed=False`: however long). A
-        validity counted from a request answered after the restart is never excused."""
+        server answers again (its loop's stalls added), or up to its validity's end if a
+        fault of its own slowed that renewal. A validity counted from a request answered
+        after the restart is never excused."""
         starts = self.net.restart_starts
         if not starts:
             return False
@@ -293,7 +298,8 @@ class Oracle:
         for start, answers in zip(starts, self.net.restarts, strict=True):
             if self.world.since(hold) < start and set_at < answers:
                 gap = hold.ttl / 3 + 0.5 + hold.proc.stalled_between(start, now)
-                if not timed or now <= answers + gap:
+                # (its own faults may hold its next renewal's answer off to the validity's end)
+                if now <= answers + gap or self.world.troubled(hold.proc, start - TROUBLE_BEFORE):
                     return True
         return False
 
@@ -339,9 +345,7 @@ class Oracle:
                 continue
             marks = [hold.released_at, hold.lost_at(), getattr(hold.proc, "crashed_at", None)]
             if any(m is not None and m <= due for m in marks):
-                continue
-            if any(self._restart_excuse(hold, lease, timed=False) for lease in hold.leases):
-                continue
+                continue  # (no excuse for a restart: the validity ends anyway)
             lost = hold.lost_at()
             late = "never" if lost is None else f"{lost - end:.3f} s after it"
             self.world.violate(

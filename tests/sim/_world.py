@@ -23,7 +23,7 @@ from aiolocks._engine._withdraw import CLEANUP_BOUND
 
 from ._loop import PROCESS, Proc, VirtualLoop, in_process, proc_of_task
 from ._net import Net
-from ._oracle import Oracle
+from ._oracle import TROUBLE_BEFORE, Oracle
 from ._patches import Recorder, install, lapse
 
 # The engine's documented bounds (docs/architecture.md, "What happens on each fault").
@@ -194,6 +194,12 @@ class World:
         self.oracle.step("release")
         return now
 
+    def troubled(self, proc: Proc, since: float) -> bool:
+        """Whether a fault of `proc`'s own (its links, its loop, its renewals) came at or
+        after `since`: after a restart it may learn of its loss only at its validity's end
+        (a slow renewal reply, a stalled link), not a third of a ttl after."""
+        return any(t >= since for t in self.fault_times.get(proc, ()))
+
     def excused(self, proc: Proc | None, since: float) -> bool:
         """Whether a fault touched `proc` (or the server) since `since`."""
         times = [*self.fault_times.get(proc, ()), *self.fault_times.get(None, ())]
@@ -344,6 +350,7 @@ class World:
                 and at >= restart
                 and all(
                     h.end <= restart + max(lz.ttl for lz in h.leases or [_Ttl]) / 3 + 0.5
+                    or self.troubled(h.proc, restart - TROUBLE_BEFORE)
                     for h in before
                 )
             ):
