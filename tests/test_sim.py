@@ -57,6 +57,7 @@ SCENARIOS = {
     "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
     "clock-back": "issue 33: fences rise across a server clock stepped back",
     "crash-while-queued": "issue 33: a dead process's queued tasks are purged, the queue moves on",
+    "stall-past-validity": "issue 33: a validity ended in a loop stall is reported, not renewed",
     # issue 36: RedisRateLimiter's grants under the faults, against the bound and their slots
     "ratelimit-faults": "the rate limiter: a grant above the bound, or before its slot",
 }

@@ -533,3 +533,27 @@ async def crash_while_queued(scene: Scene) -> None:
     await asyncio.sleep(0.4)
     scene.world.crash(d)
     await asyncio.sleep(12)
+
+
+@scenario
+async def stall_past_validity(scene: Scene) -> None:
+    """Issue 33: H's loop stalls until just after its lease's validity ends, while the
+    server's lease (a little longer) still runs: H must be told of the loss at once, not
+    have the lapsed lease renewed behind its back (its body ran on, untold, meanwhile)."""
+    h = scene.proc("H")
+    lock = RedisMutex(scene.world.clients[h], "m", ttl=1.0)
+
+    async def holder() -> None:
+        hold = await scene.acquire(h, lock, "H")
+        assert hold is not None
+        await asyncio.sleep(2.0)
+        await scene.release(h, lock, hold, "H")
+
+    task = scene.start(h, holder(), "H")
+    await asyncio.sleep(0.5)
+    holding = next(iter(lock._holdings.values()), None)
+    if holding is None or holding.lease is None:
+        scene.world.violate(f"H holds nothing to stall ({task!r})")
+        return
+    scene.world.stall(h, holding.lease.valid_until + 0.004 - scene.at())
+    await asyncio.sleep(4)
