@@ -46,35 +46,36 @@ TTL = 30.0
 Side = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 
-def _sides(kind: str, name: str) -> tuple[Side, Side]:
-    """Two ways to enter `name` that exclude each other (holder, waiter)."""
+def _sides(kind: str, name: str, ttl: float = TTL) -> tuple[Side, Side]:
+    """Two ways to enter `name` that exclude each other (holder, waiter), with leases of
+    `ttl` (also tests/_client_configs_smoke.py's)."""
     if kind == "mutex":
-        return (lambda c: RedisMutex(c, name, ttl=TTL)), (lambda c: RedisMutex(c, name, ttl=TTL))
+        return (lambda c: RedisMutex(c, name, ttl=ttl)), (lambda c: RedisMutex(c, name, ttl=ttl))
     if kind == "mutex-local":
         return (
-            (lambda c: RedisMutex(c, name, ttl=TTL, local_handoff=16)),
-            (lambda c: RedisMutex(c, name, ttl=TTL, local_handoff=16)),
+            (lambda c: RedisMutex(c, name, ttl=ttl, local_handoff=16)),
+            (lambda c: RedisMutex(c, name, ttl=ttl, local_handoff=16)),
         )
     if kind == "semaphore":
         return (
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
+            (lambda c: RedisSemaphore(c, name, limit=1, ttl=ttl)),
+            (lambda c: RedisSemaphore(c, name, limit=1, ttl=ttl)),
         )
     if kind == "rwlock":
         return (
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).write()),
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).read()),
+            (lambda c: RedisReadWriteLock(c, name, ttl=ttl).write()),
+            (lambda c: RedisReadWriteLock(c, name, ttl=ttl).read()),
         )
     if kind == "multilock":
         names = [f"{name}-a", f"{name}-b"]
         return (
-            (lambda c: RedisMultiLock(c, names, ttl=TTL)),
-            (lambda c: RedisMultiLock(c, names[::-1], ttl=TTL)),
+            (lambda c: RedisMultiLock(c, names, ttl=ttl)),
+            (lambda c: RedisMultiLock(c, names[::-1], ttl=ttl)),
         )
     if kind == "election":
         return (
-            (lambda c: RedisElection(c, name, ttl=TTL).campaign("a")),
-            (lambda c: RedisElection(c, name, ttl=TTL).campaign("b")),
+            (lambda c: RedisElection(c, name, ttl=ttl).campaign("a")),
+            (lambda c: RedisElection(c, name, ttl=ttl).campaign("b")),
         )
     raise ValueError(kind)
 

@@ -58,6 +58,7 @@ SCENARIOS = {
     "clock-back": "issue 33: fences rise across a server clock stepped back",
     "crash-while-queued": "issue 33: a dead process's queued tasks are purged, the queue moves on",
     "stall-past-validity": "issue 33: a validity ended in a loop stall is reported, not renewed",
+    "loop-ends-after-cancelling-waiters": "issue 34: a withdrawal cut short by the loop's end",
     # issue 36: RedisRateLimiter's grants under the faults, against the bound and their slots
     "ratelimit-faults": "the rate limiter: a grant above the bound, or before its slot",
 }
