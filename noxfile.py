@@ -1,6 +1,6 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
 (`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`,
-`compat` the compatibility matrix).
+`mutants` the simulation's mutation score, `compat` the compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
@@ -104,6 +104,15 @@ def simulate(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     args = session.posargs or ["--minutes", "1"]
     session.run("python", "-m", "tests.sim", *args, env={"PYTHONHASHSEED": "0"})
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Mutation testing of the simulation (tests/sim/mutants.py): each planted bug applied
+    alone to a copy of the tree, the simulation run there as CI runs it, and which check
+    caught it printed, with the score. `-- --only NAME`, `-- --list`, `-- --jobs N`."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "tests.sim.mutants", *session.posargs)
 
 
 @nox.session

@@ -54,6 +54,10 @@ SCENARIOS = {
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
     "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
     "cohort-release-bound": "found by the simulation: a cohort release past the validity",
+    "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
+    "clock-back": "issue 33: fences rise across a server clock stepped back",
+    "crash-while-queued": "issue 33: a dead process's queued tasks are purged, the queue moves on",
+    "stall-past-validity": "issue 33: a validity ended in a loop stall is reported, not renewed",
     "loop-ends-after-cancelling-waiters": "issue 34: a withdrawal cut short by the loop's end",
     # issue 36: RedisRateLimiter's grants under the faults, against the bound and their slots
     "ratelimit-faults": "the rate limiter: a grant above the bound, or before its slot",

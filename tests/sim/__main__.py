@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the scenarios")
     parser.add_argument("--all-scenarios", action="store_true", help="run every scenario")
     parser.add_argument("--json", action="store_true", help="results as JSON (scenarios)")
+    parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing seed")
     parser.add_argument("--trace", type=int, default=200, help="trace lines shown on failure")
     parser.add_argument("--full-trace", action="store_true", help="print the whole trace")
     options = parser.parse_args(argv)
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(seed)
             for line in result.violations[:5]:
                 print("    " + line, flush=True)
+            if options.fail_fast:
+                break
     wall = time.monotonic() - started
     print(
         f"{count} seeds in {wall:.1f} s wall ({60 * count / wall:.1f} seeds/min), "

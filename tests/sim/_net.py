@@ -19,7 +19,7 @@ import contextvars
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from fakeredis._core import FakeServer
@@ -29,6 +29,17 @@ from fakeredis._socket._fakesocket import FakeSocket
 from ._loop import Proc, VirtualLoop, in_process
 
 EPOCH = 1_790_000_000.0  # the server's wall clock at virtual monotonic time 0
+# The scripts that renew a lease (the keeper's batch, and each single renewal).
+RENEWALS = ("renew_batch", "renew_owner", "renew_member", "election_renew")
+
+
+class Observer(Protocol):
+    """Told of every command the server runs (the oracle): `before` returns what `after`
+    is given back."""
+
+    def before(self, conn: Any, fields: list[bytes]) -> Any: ...
+
+    def after(self, conn: Any, fields: list[bytes], seen: Any) -> None: ...
 
 
 class ServerClock:
@@ -41,7 +52,8 @@ class ServerClock:
         self._loop = loop
 
     def time(self) -> float:
-        return EPOCH + self._loop.time()
+        # `server_offset`: how far the server's clock was stepped (back) by a fault.
+        return EPOCH + self._loop.time() + getattr(self._loop, "server_offset", 0.0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -97,7 +109,16 @@ class SimSocket(FakeSocket):
             value = self._server.config.get(fields[2].lower())
             self.put_response([] if value is None else [fields[2], value])
             return
+        observer = net.observer
+        seen = None if observer is None else observer.before(self.conn, fields)
+        slow = net.renewal_delay(self.conn, fields)
+        if slow:
+            self.conn.flush_replies()  # what came before goes at the usual pace
         super()._process_command(fields)
+        if slow:
+            self.conn.flush_replies(extra=slow)
+        if observer is not None:
+            observer.after(self.conn, fields, seen)
 
 
 class Net:
@@ -114,6 +135,7 @@ class Net:
         self.next_id = 1
         self.trace: deque[str] = deque(maxlen=500_000)
         self.restarts: list[float] = []
+        self.restart_starts: list[float] = []  # when each restart emptied the server
         self.commands = 0
         self._expiry: asyncio.TimerHandle | None = None
         self.on_change: Callable[[], None] | None = None
@@ -121,6 +143,42 @@ class Net:
         # Scenarios: called with each command before it runs; True drops the connection.
         self.intercept: Callable[[Conn, list[bytes]], bool] | None = None
         self.paused_until = 0.0
+        # The oracle on the server's truth (`_oracle.Oracle`): told of every command run.
+        self.observer: Observer | None = None
+        # Slow replies to lease renewals: (until, extra delay), per process (None: all).
+        self.slow_renewals: dict[Proc | None, tuple[float, float]] = {}
+        self.clock_steps: list[tuple[float, float]] = []  # (when, seconds back)
+
+    def server_time(self) -> float:
+        """The server's clock now (seconds since the epoch): virtual time, as stepped."""
+        return EPOCH + self.loop.time() + getattr(self.loop, "server_offset", 0.0)
+
+    def step_clock_back(self, seconds: float) -> None:
+        """The server's clock jumps back (a failover to a replica whose clock is behind,
+        the data kept): every later TIME, expiry and deadline is on the stepped clock."""
+        self.log(f"SERVER CLOCK BACK {seconds:.3f} s")
+        self.loop.server_offset = getattr(self.loop, "server_offset", 0.0) - seconds  # type: ignore[attr-defined]
+        self.clock_steps.append((self.loop.time(), seconds))
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._arm_expiry()
+
+    def renewal_delay(self, conn: Conn, fields: list[bytes]) -> float:
+        """The extra delay of this command's reply: a lease renewal during a slow-renewal
+        fault of its process (0 for anything else)."""
+        if not self.slow_renewals or fields[0].upper() not in (b"EVALSHA", b"EVAL"):
+            return 0.0
+        slow = self.slow_renewals.get(conn.proc) or self.slow_renewals.get(None)
+        if slow is None or slow[0] <= self.loop.time():
+            return 0.0
+        name = fields[0].upper() == b"EVALSHA" and self.scripts.get(fields[1])
+        if not name and len(fields) > 1:
+            name = self.scripts.get(_sha1(fields[1]))
+        if name not in RENEWALS:
+            return 0.0
+        self.log(f"{conn.proc.name} c{conn.id} SLOW RENEWAL REPLY +{slow[1]:.3f} s")
+        return slow[1]
 
     def pause(self, seconds: float) -> None:
         """Like `CLIENT PAUSE`: no command is answered for `seconds` (every connection,
@@ -206,6 +264,7 @@ class Net:
         cached script is gone; connections are refused for `down_for` seconds."""
         self.log(f"SERVER RESTART (down {down_for:.3f} s)")
         self.restarts.append(self.loop.time() + down_for)  # when it answers again
+        self.restart_starts.append(self.loop.time())
         for conn in list(self.conns):
             conn.reset("server restart")
         self.server = self._new_server()
@@ -222,7 +281,7 @@ class Net:
         heap = self.db._expiry_heap
         if not heap:
             return
-        at = heap[0][0] - EPOCH
+        at = heap[0][0] - EPOCH - getattr(self.loop, "server_offset", 0.0)
         if self._expiry is not None and not self._expiry.cancelled():
             if self._expiry.when() <= at + 0.1:
                 return
@@ -234,7 +293,7 @@ class Net:
     def _expire(self) -> None:
         self._expiry = None
         db = self.db
-        db.time = EPOCH + self.loop.time()
+        db.time = self.server_time()
         gone: list[bytes] = []
         while db._expiry_heap and db._expiry_heap[0][0] < db.time:
             _, key = db._expiry_heap[0]
@@ -256,19 +315,19 @@ class Net:
     # -- reading the server's state (for the invariants; nothing is sent) ---------------
 
     def now_ms(self) -> float:
-        return (EPOCH + self.loop.time()) * 1000
+        return self.server_time() * 1000
 
     def value(self, key: bytes) -> Any:
         """The live value at `key` (None if missing or past its expiry)."""
         item = self.db._dict.get(key)
         if item is None:
             return None
-        if item.expireat is not None and item.expireat <= EPOCH + self.loop.time():
+        if item.expireat is not None and item.expireat <= self.server_time():
             return None
         return item.value
 
     def live_items(self) -> Iterable[tuple[bytes, Any]]:
-        now = EPOCH + self.loop.time()
+        now = self.server_time()
         for key, item in self.db._dict.items():
             if item.expireat is None or item.expireat > now:
                 yield key, item
@@ -320,6 +379,7 @@ class Conn:
         self.push_delay = 0.0  # extra delay of pub/sub messages (a slow subscriber link)
         self.push_loss = 0.0  # probability a message is lost (and the connection reset)
         self.subscriber = False
+        self.sent_at = 0.0  # when the bytes being read now were written by the client
 
     def __repr__(self) -> str:
         return f"<Conn c{self.id} of {self.proc.name}>"
@@ -334,11 +394,12 @@ class Conn:
         if self.closed:
             return
         self.up_at = self._arrival(self.up_at)
-        self.loop.call_at(self.up_at, self._arrive_up, data, context=self.net.sim)
+        self.loop.call_at(self.up_at, self._arrive_up, data, self.loop.time(), context=self.net.sim)
 
-    def _arrive_up(self, data: bytes) -> None:
+    def _arrive_up(self, data: bytes, sent_at: float) -> None:
         if self.closed or self.sock is None or self.server is not self.net.server:
             return
+        self.sent_at = sent_at  # when the commands now run were written (the oracle's)
         try:
             self.sock.sendall(data)
         except Exception as exc:  # a parse error: the server closes the connection
@@ -348,7 +409,7 @@ class Conn:
         self.net.deliver_all()
 
     # server -> client
-    def flush_replies(self) -> None:
+    def flush_replies(self, extra: float = 0.0) -> None:
         sock = self.sock
         if sock is None or self.closed:
             return
@@ -368,7 +429,7 @@ class Conn:
             if self.net.trace.maxlen:
                 what = "push" if push else "<"
                 self.net.log(f"{self.proc.name} c{self.id} {what} {_summary(reply)}")
-            self.down_at = self._arrival(self.down_at, self.push_delay if push else 0.0)
+            self.down_at = self._arrival(self.down_at, self.push_delay if push else extra)
             self.loop.call_at(self.down_at, self._arrive_down, data, context=self.client_context)
 
     def _arrive_down(self, data: bytes) -> None:

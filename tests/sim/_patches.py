@@ -51,6 +51,9 @@ class Recorder:
         self.keep: list[Any] = []  # the leases (so ids stay unique for the run)
         self.tokens: dict[str, Any] = {}  # token -> the process that made it
         self.lost_at: dict[int, float] = {}  # id(holding) -> when its loss was first recorded
+        # Told of each validity set and loss report (the oracle checks at those steps).
+        self.on_validity: Callable[[Any], None] | None = None
+        self.on_lost: Callable[[], None] | None = None
 
 
 def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
@@ -99,6 +102,8 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     def recording_mark_lost(self: Any, reason: str) -> None:
         recorder.lost_at.setdefault(id(self), loop.time())
         mark_lost(self, reason)
+        if recorder.on_lost is not None:
+            recorder.on_lost()
 
     recording_mark_lost.__wrapped_mark__ = mark_lost  # type: ignore[attr-defined]
     holding_cls.mark_lost = recording_mark_lost  # type: ignore[method-assign]
@@ -127,6 +132,8 @@ class _ValidUntil:
                 history = recorder.validity[id(obj)] = []
                 recorder.keep.append(obj)
             history.append((recorder.loop.time(), value))
+            if recorder.on_validity is not None:
+                recorder.on_validity(obj)
 
 
 def lapse(recorder: Recorder, lease: Any, until: float) -> float | None:

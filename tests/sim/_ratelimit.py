@@ -61,6 +61,7 @@ class LimiterRun(Run):
         self.burst = rng.choice((1, 3, int(self.rate)))
         self.resources = []
         self.grants: list[tuple[int, int, float, str]] = []  # slot µs, cost, returned, who
+        self.reserved: list[int] = []  # the server's clock (µs) at each grant's reservation
 
     async def main(self) -> None:
         world, rng = self.world, self.rng
@@ -125,6 +126,7 @@ class LimiterRun(Run):
         reply = replies[0]
         slot = int(reply[4]) + int(reply[1])
         self.grants.append((slot, cost, returned, who))
+        self.reserved.append(int(reply[4]))  # on which side of a restart it was reserved
         returned_us = (EPOCH + returned) * 1e6
         if returned_us + 1 < slot:
             early = (slot - returned_us) / 1000
@@ -135,8 +137,9 @@ class LimiterRun(Run):
         restarts = sorted((EPOCH + at) * 1e6 for at in self.world.net.restarts)
         interval = -(-self.per * 1e6 // self.rate)  # µs per permit, rounded up as the limiter
         epochs: dict[int, list[tuple[int, int]]] = {}
-        for slot, cost, _, _ in self.grants:
-            epochs.setdefault(bisect.bisect_right(restarts, slot), []).append((slot, cost))
+        # By when each was reserved: a slot reserved before a restart may lie after it.
+        for (slot, cost, _, _), reserved in zip(self.grants, self.reserved, strict=True):
+            epochs.setdefault(bisect.bisect_right(restarts, reserved), []).append((slot, cost))
         for grants in epochs.values():
             grants.sort()
             slots = [slot for slot, _ in grants]

@@ -13,7 +13,7 @@ from aiolocks import LockLost, RedisMultiLock, RedisMutex, ServerUnavailable
 
 from ._loop import Proc
 from ._workload import Resource, Run, _close_loop, _validity
-from ._world import TIMEOUT_SLACK, TRY_BOUND, Hold, Result, World
+from ._world import GRANT_BOUND, TIMEOUT_SLACK, TRY_BOUND, Hold, Result, World
 
 SCENARIOS: dict[str, Callable[[], Result]] = {}
 
@@ -117,16 +117,15 @@ class Scene:
     async def release(self, proc: Proc, lock: Any, hold: Hold | None, who: str) -> None:
         if hold is None:
             return
-        hold.released_at = self.loop.time()
-        valid = min((lease.valid_until for lease in hold.leases), default=hold.released_at)
+        released = self.world.released(hold)
+        valid = min((lease.valid_until for lease in hold.leases), default=released)
         try:
             await lock.release()
         except LockLost as exc:
             self.world.net.log(f"{who}: release raised {exc!r}")
         valid = max(valid, _validity(hold, valid))  # renewals move it while the release waits
         self.run.check_call_time(
-            proc, hold.released_at, max(0.0, valid - hold.released_at), f"{who} release",
-            slack=0.3,
+            proc, released, max(0.0, valid - released), f"{who} release", slack=0.3,
         )  # fmt: skip
 
 
@@ -188,8 +187,8 @@ async def waiter_behind_a_taken_over_holder(scene: Scene) -> None:
         await asyncio.sleep(0.1)
         # The owner key is deleted under A1 (an eviction, a forced release) and B takes it.
         scene.world.net.log("operator: DEL the owner key")
+        hold.taken_away = scene.at()  # (an operator's doing: the oracle excuses it)
         scene.world.net.run_command(b"DEL", b"aiolocks:mutex:{m}:owner")
-        hold.taken_away = scene.at()
         scene.start(b, other(), "B2")
         await asyncio.sleep(0.1)
         scene.start(a, second(), "A2")
@@ -430,6 +429,135 @@ async def cohort_release_bound(scene: Scene) -> None:
 
     scene.start(p, holder(), "P1")
     await asyncio.sleep(10)
+
+
+@scenario
+async def restart_while_held(scene: Scene) -> None:
+    """Issue 33: the server restarts empty while H holds "m" and W waits; W takes the name
+    on the emptied server while H's loop stalls, and H's next renewal must learn that it
+    lost it (a renewal that extended whoever holds it now left H believing beside W)."""
+    h, w = scene.proc("H"), scene.proc("W")
+    clients = scene.world.clients
+
+    async def holder() -> None:
+        lock = RedisMutex(clients[h], "m", ttl=1.5)
+        hold = await scene.acquire(h, lock, "H")
+        await asyncio.sleep(3.0)
+        await scene.release(h, lock, hold, "H")
+
+    async def waiter() -> None:
+        lock = RedisMutex(clients[w], "m", ttl=1.5)
+        hold = await scene.acquire(w, lock, "W", timeout=10)
+        await asyncio.sleep(2.0)
+        await scene.release(w, lock, hold, "W")
+
+    scene.start(h, holder(), "H")
+    await asyncio.sleep(0.05)
+    scene.start(w, waiter(), "W")
+    await asyncio.sleep(0.25)
+    scene.world.fault("restart", None)
+    scene.world.net.restart(0.1)
+    scene.world.stall(h, 0.6)  # H renews only after W has taken the emptied name
+    await asyncio.sleep(8)
+
+
+@scenario
+async def clock_back(scene: Scene) -> None:
+    """Issue 33: the server's clock steps back 2 s (a failover to a replica whose clock is
+    behind, the data kept) between two holdings: fences must still rise (from the stored
+    counter: the clock alone would go back)."""
+    a, b = scene.proc("A"), scene.proc("B")
+    clients = scene.world.clients
+
+    async def first() -> None:
+        lock = RedisMutex(clients[a], "m", ttl=1.0)
+        hold = await scene.acquire(a, lock, "A")
+        await asyncio.sleep(0.2)
+        await scene.release(a, lock, hold, "A")
+
+    async def second() -> None:
+        await asyncio.sleep(0.5)
+        lock = RedisMutex(clients[b], "m", ttl=1.0, local_handoff=2)
+        hold = await scene.acquire(b, lock, "B", kind="cohort", timeout=5)
+        await asyncio.sleep(0.2)
+        await scene.release(b, lock, hold, "B")
+
+    scene.start(a, first(), "A")
+    scene.start(b, second(), "B")
+    await asyncio.sleep(0.35)
+    scene.world.fault("clock back", None)
+    scene.world.net.step_clock_back(2.0)
+    await asyncio.sleep(5)
+
+
+@scenario
+async def crash_while_queued(scene: Scene) -> None:
+    """Issue 33: D dies while three of its tasks wait in the queue of "m" (ttl 1 s), ahead
+    of W; when H releases 1.25 s later, D's entries are dead (and no re-check of W's has
+    purged them yet) and W must be granted at once (a queue that does not purge them grants
+    the dead, and W waits a ttl per entry)."""
+    h, d, w = scene.proc("H"), scene.proc("D"), scene.proc("W")
+    clients = scene.world.clients
+    released: list[float] = []
+
+    async def holder() -> None:
+        lock = RedisMutex(clients[h], "m", ttl=1.0)
+        hold = await scene.acquire(h, lock, "H")
+        await asyncio.sleep(1.75)
+        released.append(scene.at())
+        await scene.release(h, lock, hold, "H")
+
+    async def dead(who: str) -> None:
+        lock = RedisMutex(clients[d], "m", ttl=1.0)
+        await scene.acquire(d, lock, who, timeout=20)
+
+    async def waiter() -> None:
+        lock = RedisMutex(clients[w], "m", ttl=1.0)
+        hold = await scene.acquire(w, lock, "W", timeout=20)
+        if hold is None:
+            scene.world.violate("QUEUE STUCK: W was not granted the name H released")
+        elif not released:
+            scene.world.violate("QUEUE ORDER: W was granted the name before H released it")
+        elif hold.start - released[0] > GRANT_BOUND:
+            scene.world.violate(
+                f"QUEUE STUCK: W granted {hold.start - released[0]:.3f} s after H's release "
+                f"(bound {GRANT_BOUND} s): the dead process's entries were not purged"
+            )
+        await scene.release(w, lock, hold, "W")
+
+    scene.start(h, holder(), "H")
+    await asyncio.sleep(0.05)
+    for i in range(3):
+        scene.start(d, dead(f"D{i}"), f"D{i}")
+    await asyncio.sleep(0.05)
+    scene.start(w, waiter(), "W")
+    await asyncio.sleep(0.4)
+    scene.world.crash(d)
+    await asyncio.sleep(12)
+
+
+@scenario
+async def stall_past_validity(scene: Scene) -> None:
+    """Issue 33: H's loop stalls until just after its lease's validity ends, while the
+    server's lease (a little longer) still runs: H must be told of the loss at once, not
+    have the lapsed lease renewed behind its back (its body ran on, untold, meanwhile)."""
+    h = scene.proc("H")
+    lock = RedisMutex(scene.world.clients[h], "m", ttl=1.0)
+
+    async def holder() -> None:
+        hold = await scene.acquire(h, lock, "H")
+        assert hold is not None
+        await asyncio.sleep(2.0)
+        await scene.release(h, lock, hold, "H")
+
+    task = scene.start(h, holder(), "H")
+    await asyncio.sleep(0.5)
+    holding = next(iter(lock._holdings.values()), None)
+    if holding is None or holding.lease is None:
+        scene.world.violate(f"H holds nothing to stall ({task!r})")
+        return
+    scene.world.stall(h, holding.lease.valid_until + 0.004 - scene.at())
+    await asyncio.sleep(4)
 
 
 @scenario

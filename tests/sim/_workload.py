@@ -73,6 +73,7 @@ class Run:
         self.free_since: dict[str, float | None] = {}
         self.orphan_since: dict[str, float] = {}
         self.strict = {"m1"}  # names no multi-lock or cohort shares (orphan check)
+        self.queued: dict[Proc, int] = {}  # tasks of each process in a blocking acquire
         self.until = 0.0
 
     # -- the run -----------------------------------------------------------------------
@@ -183,6 +184,8 @@ class Run:
         watched = res.kind == "mutex"
         if watched:
             world.waiting.setdefault(res.names[0], {})[task] = (proc, start)
+        if blocking:
+            self.queued[proc] = self.queued.get(proc, 0) + 1
         world.acquires += 1
         try:
             got = await lock.acquire(blocking=blocking, timeout=timeout)
@@ -201,6 +204,8 @@ class Run:
         finally:
             if watched:
                 world.waiting.get(res.names[0], {}).pop(task, None)
+            if blocking:
+                self.queued[proc] -= 1
         limit = timeout if timeout is not None else (try_bound(proc) if not blocking else None)
         self.check_call_time(
             proc,
@@ -247,6 +252,7 @@ class Run:
             leases=leases,
             limit=res.limit,
             adopted=adopted,
+            ttl=res.ttl,
         )
         self.world.granted(hold)
         return hold
@@ -255,6 +261,9 @@ class Run:
         self, proc: Proc, res: Resource, lock: Any, hold: Hold, rng: random.Random
     ) -> None:
         loop = asyncio.get_running_loop()
+        if rng.random() < 0.2:
+            await self.body(proc, res, lock, hold, rng)
+            return
         try:
             await asyncio.sleep(rng.choice((0.0, 0.001, 0.01, 0.1, 0.5, res.ttl * 1.5)))
             if (
@@ -267,15 +276,15 @@ class Run:
                 except LockLost:
                     pass
                 else:
-                    hold.released_at = loop.time()
+                    self.world.released(hold)
                     hold.detached = True
                     self.world.net.log(f"{proc.name}/{hold.task} detaches {res.names}")
                     self.handles.append((res, handle, loop.time()))
                     return
         finally:
             if hold.released_at is None:
-                hold.released_at = loop.time()
-                valid = min((lease.valid_until for lease in hold.leases), default=loop.time())
+                released = self.world.released(hold)
+                valid = min((lease.valid_until for lease in hold.leases), default=released)
                 try:
                     await lock.release()
                 except (LockLost, ServerUnavailable):
@@ -285,9 +294,79 @@ class Run:
                 # The wait follows the validity as renewals move it (`release_until`).
                 valid = max(valid, _validity(hold, valid))
                 self.check_call_time(
-                    proc, hold.released_at, max(0.0, valid - hold.released_at),
+                    proc, released, max(0.0, valid - released),
                     f"release {hold.kind} {hold.names}", slack=LOST_SLACK,
                 )  # fmt: skip
+
+    async def body(
+        self, proc: Proc, res: Resource, lock: Any, hold: Hold, rng: random.Random
+    ) -> None:
+        """The body of `async with`, long (up to four ttls, asleep or busy with short
+        awaits); half the time it outlives its lease, its process's renewals answered too
+        late. A loss must cancel it, and its exit raise LockLost."""
+        loop = asyncio.get_running_loop()
+        world = self.world
+        holding = hold.holding
+        holding.body = True  # (as `__aenter__` does when its acquire() returned True)
+        if holding.is_lost:
+            holding.cancel_body()
+        length = rng.choice((0.5, 2.0, 4.0)) * res.ttl
+        if rng.random() < 0.5:
+            delay = res.ttl * rng.choice((0.8, 1.5))
+            loop.call_later(rng.uniform(0.0, length / 2), self.slow_renewals, proc, delay, length)
+        error: asyncio.CancelledError | None = None
+        try:
+            if rng.random() < 0.5:
+                await asyncio.sleep(length)
+            else:
+                for _ in range(int(length / 0.01)):
+                    await asyncio.sleep(0.01)
+        except asyncio.CancelledError as exc:
+            hold.body_cancelled = loop.time()
+            error = exc
+        released = world.released(hold)
+        valid = _validity(hold, released)
+        try:
+            await lock.__aexit__(None if error is None else type(error), error, None)
+        except LockLost:
+            hold.lock_lost = True
+        except ServerUnavailable:
+            pass  # documented: the server unreachable (a restart) during release
+        self.check_body(hold)
+        valid = max(valid, _validity(hold, valid))
+        self.check_call_time(
+            proc, released, max(0.0, valid - released), f"release {hold.kind} {hold.names}",
+            slack=LOST_SLACK,
+        )  # fmt: skip
+        task = asyncio.current_task()
+        if error is not None and task is not None and task.cancelling():
+            raise error  # the worker's own cancellation, not the loss's
+
+    def check_body(self, hold: Hold) -> None:
+        """A loss reported while the body ran cancelled it within the bound, and the exit
+        raised LockLost."""
+        lost, released = hold.lost_at(), hold.released_at
+        if lost is None or released is None or lost >= released:
+            return
+        due = lost + LOST_SLACK + hold.proc.stalled_between(lost, lost + 30)
+        who = f"{hold.proc.name}/{hold.task} {hold.kind} {hold.names}"
+        if hold.body_cancelled is None or hold.body_cancelled > due:
+            when = "never" if hold.body_cancelled is None else f"{hold.body_cancelled - lost:.3f} s"
+            self.world.violate(
+                f"BODY NOT CANCELLED {who}: lost at {lost - 1000:.4f}, cancelled {when}"
+            )
+        if not hold.lock_lost:
+            self.world.violate(f"NO LockLost {who}: lost at {lost - 1000:.4f} in its body")
+
+    def slow_renewals(self, proc: Proc, delay: float, seconds: float) -> None:
+        """The replies to `proc`'s lease renewals come `delay` late for `seconds`."""
+        if proc.dead:
+            return
+        world = self.world
+        until = world.loop.time() + seconds
+        world.net.log(f"{proc.name} SLOW RENEWALS +{delay:.3f} s for {seconds:.3f} s")
+        world.fault("slow renewal", proc)
+        world.net.slow_renewals[proc] = (until, delay)
 
     async def adopt(self, proc: Proc, worker: int, rng: random.Random) -> None:
         res, handle, _ = self.handles.pop(rng.randrange(len(self.handles)))
@@ -316,7 +395,7 @@ class Run:
                     kind="election", names=res.names, proc=proc, task=f"w{worker}",
                     token=holding.token, fences={res.names[0]: term.fencing_token},
                     start=loop.time(), holding=holding,
-                    leases=[holding.lease] if holding.lease is not None else [],
+                    leases=[holding.lease] if holding.lease is not None else [], ttl=res.ttl,
                 )  # fmt: skip
                 self.world.granted(hold)
                 try:
@@ -324,7 +403,7 @@ class Run:
                     if rng.random() < 0.3:
                         await term.proclaim(f"{proc.name}-{worker}-again")
                 finally:
-                    hold.released_at = loop.time()
+                    self.world.released(hold)
         except (LockTimeout, ServerUnavailable):
             if hold is None:
                 self.check_call_time(proc, start, timeout or try_bound(proc), "campaign")
@@ -351,8 +430,10 @@ class Run:
             )
 
     def check_losses(self) -> None:
-        """LockLost (the `lost` event) came within the slack after the validity ended."""
+        """LockLost (the `lost` event) came within the slack after the validity ended: as
+        the engine counted it, and as the server's record says (the oracle's)."""
         world = self.world
+        world.oracle.check_losses(LOST_SLACK, world.loop.time())
         for hold in world.holds:
             lost = hold.lost_at()
             released = hold.released_at
@@ -384,21 +465,39 @@ class Run:
         loop = asyncio.get_running_loop()
         crash_at = loop.time() + rng.uniform(1, self.duration) if rng.random() < 0.4 else None
         restart_at = loop.time() + rng.uniform(1, self.duration) if rng.random() < 0.15 else None
+        # The server's clock steps back (a failover to a replica whose clock is behind, the
+        # data kept); not with a restart, whose lost fence counter the clock must outrun.
+        clock_at = None
+        if restart_at is None and rng.random() < 0.35:
+            clock_at = loop.time() + rng.uniform(1, self.duration)
         rate = rng.choice((0.3, 1.0, 3.0))
         while loop.time() < self.until:
             await asyncio.sleep(rng.expovariate(rate))
             now = loop.time()
             live = [p for p in world.procs if not p.dead]
             if crash_at is not None and now >= crash_at and len(live) > 1:
-                crash_at = None
-                world.crash(rng.choice(live))
-                continue
+                # Preferably a process with several tasks waiting in queues: they must be
+                # purged, and the queues move on.
+                queued = [p for p in live if self.queued.get(p, 0) >= 2]
+                if queued or now >= crash_at + 5:
+                    crash_at = None
+                    world.crash(rng.choice(queued or live))
+                    continue
             if restart_at is not None and now >= restart_at:
                 restart_at = None
                 world.fault("restart", None)
                 world.net.restart(rng.choice((0.0, 0.2, 1.0)))
                 continue
-            kind = rng.choice(("latency", "stall", "reset", "push", "loss", "loop"))
+            if clock_at is not None and now >= clock_at:
+                clock_at = None
+                world.fault("clock back", None)
+                world.net.step_clock_back(rng.choice((0.01, 0.3, 1.0, 3.0)))
+                continue
+            kind = rng.choice(("latency", "stall", "reset", "push", "loss", "loop", "renewal"))
+            if kind == "renewal" and live:
+                delay = rng.choice((0.05, 0.3, 1.0, 2.0))
+                self.slow_renewals(rng.choice(live), delay, rng.uniform(0.3, 3.0))
+                continue
             conns = [c for c in world.net.conns if not c.closed and not c.proc.dead]
             if kind == "loop" and live:
                 world.stall(rng.choice(live), rng.choice((0.05, 0.3, 1.0, 2.0)))

@@ -23,6 +23,7 @@ from aiolocks._engine._withdraw import CLEANUP_BOUND
 
 from ._loop import PROCESS, Proc, VirtualLoop, in_process, proc_of_task
 from ._net import Net
+from ._oracle import TROUBLE_BEFORE, Oracle
 from ._patches import Recorder, install, lapse
 
 # The engine's documented bounds (docs/architecture.md, "What happens on each fault").
@@ -57,6 +58,9 @@ class Hold:
     taken_away: float | None = None  # an operator ended it on the server (scenarios)
     end: float = float("inf")
     lost_times: dict[int, float] = field(default_factory=dict)  # the recorder's, once granted
+    ttl: float = 0.0  # as the simulator configured it (the oracle's, not the engine's)
+    body_cancelled: float | None = None  # `async with` body: when a cancellation reached it
+    lock_lost: bool = False  # `async with` body: its exit raised LockLost
 
     def lost_at(self) -> float | None:
         return self.lost_times.get(id(self.holding))
@@ -103,6 +107,10 @@ class World:
         self.errors: list[str] = []
         self.graveyard: list[asyncio.Task[Any]] = []
         self.loop.set_exception_handler(self._exception)
+        self.oracle = Oracle(self)
+        self.net.observer = self.oracle
+        self.recorder.on_validity = self.oracle.validity_set
+        self.recorder.on_lost = lambda: self.oracle.step("loss report")
 
     # -- processes ----------------------------------------------------------------------
 
@@ -180,6 +188,18 @@ class World:
         self.net.log("VIOLATION " + text)
         self.violations.append(line)
 
+    def released(self, hold: Hold) -> float:
+        """`hold` lets go now (its release starts): a step of the oracle. Returns now."""
+        hold.released_at = now = self.loop.time()
+        self.oracle.step("release")
+        return now
+
+    def troubled(self, proc: Proc, since: float) -> bool:
+        """Whether a fault of `proc`'s own (its links, its loop, its renewals) came at or
+        after `since`: after a restart it may learn of its loss only at its validity's end
+        (a slow renewal reply, a stalled link), not a third of a ttl after."""
+        return any(t >= since for t in self.fault_times.get(proc, ()))
+
     def excused(self, proc: Proc | None, since: float) -> bool:
         """Whether a fault touched `proc` (or the server) since `since`."""
         times = [*self.fault_times.get(proc, ()), *self.fault_times.get(None, ())]
@@ -201,6 +221,7 @@ class World:
         """A task's acquire returned True: check it against what others believe now."""
         hold.lost_times = self.recorder.lost_at
         self.holds.append(hold)
+        self.oracle.granted(hold)
         now = self.loop.time()
         if not self.believed(hold, now):
             # Granted with no validity left (its call answered after a loop stall outlived
@@ -329,6 +350,7 @@ class World:
                 and at >= restart
                 and all(
                     h.end <= restart + max(lz.ttl for lz in h.leases or [_Ttl]) / 3 + 0.5
+                    or self.troubled(h.proc, restart - TROUBLE_BEFORE)
                     for h in before
                 )
             ):
