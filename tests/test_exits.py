@@ -258,6 +258,43 @@ async def test_the_scheduler_example_stopped_by_ctrl_c_as_leader_resigns_quietly
     assert await RedisElection(r, "scheduler").leader() is None  # resigned on the way out
 
 
+@ONE_SERVER
+async def test_the_scheduler_example_stopped_by_sigterm_resigns_quietly_too(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    example = ROOT / "examples" / "singleton_scheduler.py"
+    async with _program(sys.executable, WATCH, example, "replica-a", env={"REDIS_URL": url}) as app:
+        await _lines_until(app, "elected replica-a")
+        app.proc.send_signal(signal.SIGTERM)  # `kill`, a container's stop
+        assert await app.finish() == 0
+        assert app.stderr == ""
+    assert await RedisElection(r, "scheduler").leader() is None
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("name", ["fastapi_orders", "aiohttp_orders"])
+async def test_the_web_examples_stop_quietly_on_ctrl_c_and_sigterm(
+    url: str, name: str, stop: signal.Signals
+) -> None:
+    """Each says "Ctrl-C stops it": a Ctrl-C (to the process group, as a terminal sends it)
+    or a SIGTERM ends it with no traceback and nothing on stderr but the web server's log."""
+    port = free_port()
+    example = ROOT / "examples" / f"{name}.py"
+    async with _program(sys.executable, example, port, env={"REDIS_URL": url}) as app:
+        said = await _lines_until(app, "Ctrl-C stops it")
+        assert f"orders service at http://127.0.0.1:{port}" in said
+        if stop == signal.SIGINT:
+            os.killpg(app.proc.pid, signal.SIGINT)
+        else:
+            app.proc.send_signal(stop)
+        status = await app.finish()
+    # uvicorn raises a SIGTERM again once it has shut down, as the signal would end it.
+    assert status in ((0, -signal.SIGTERM) if stop == signal.SIGTERM else (0,)), app.stderr
+    noise = [line for line in app.stderr.splitlines() if not line.startswith("INFO:")]
+    assert noise == [], app.stderr
+
+
 async def test_the_scheduler_example_runs_alone_on_an_embedded_server() -> None:
     with contextlib.suppress(OSError), socket.create_connection(("localhost", 6379), 0.5):
         pytest.skip("a server listens on localhost:6379: the example would use it")
