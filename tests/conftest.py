@@ -30,6 +30,9 @@ from redis.asyncio.cluster import RedisCluster
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import Cluster
+from _faultreport import pytest_addoption as pytest_addoption
+from _faultreport import pytest_runtest_logreport as pytest_runtest_logreport
+from _faultreport import pytest_runtest_makereport as pytest_runtest_makereport
 from _faultreport import pytest_terminal_summary as pytest_terminal_summary
 from _faults import close_client
 from _probes import QueueProbe, Renewals

@@ -356,8 +356,10 @@ async def test_ctrl_c_of_the_cli_demo_says_one_line_and_leaves_no_process() -> N
 
 
 @pytest.mark.parametrize("how", ["closed-pipe", "sigterm", "sigkill"])
-async def test_no_child_of_aiolocks_bench_outlives_it(how: str) -> None:
-    async with _program(sys.executable, "-m", "aiolocks", "bench", env={"REDIS_URL": ""}) as bench:
+async def test_no_child_of_aiolocks_bench_outlives_it(how: str, tmp_path: Path) -> None:
+    # A signal that kills it leaves its scratch directory: in this test's, not the system's.
+    env = {"REDIS_URL": "", "TMPDIR": str(tmp_path)}
+    async with _program(sys.executable, "-m", "aiolocks", "bench", env=env) as bench:
         await _lines_until(bench, "server valkey")  # the benchmark and its server run
         below = _descendants(bench.proc.pid)
         assert len(below) >= 2
