@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import ParamSpec, Self, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Self, TypeVar
 
 from .._base import _spec, _telemetry
 from .._base._clients import AnyRedis
@@ -267,6 +267,21 @@ class LeasedLock(LockCore):
         if holding.is_lost:  # lost before the body even started
             holding.cancel_body()
         return self
+
+    if not TYPE_CHECKING:
+        # Hidden from type checkers, so that mypy still reports `with lock:` (no
+        # `__enter__`); at run time the mistake gets a message that says what to write, as
+        # `if lock.locked():` does, instead of Python's generic one.
+
+        def __enter__(self) -> NoReturn:
+            name = type(self).__name__
+            raise TypeError(
+                f"{name} is an async context manager (it waits on Redis): write "
+                f"`async with`, not `with`"
+            )
+
+        def __exit__(self, *exc_info: Any) -> None:  # `with` looks it up before __enter__
+            return None
 
     async def __aexit__(
         self,
