@@ -72,6 +72,46 @@ def client_from_url(url: str) -> redis.asyncio.Redis:
     return redis.asyncio.Redis.from_url(url)
 
 
+# -- parallel runs (pytest-xdist: `python -m pytest -n auto`, the README's command) --------
+# Tests whose margins are timings (the fault-injection suite) or that start many processes at
+# once share one group: under `--dist loadgroup` they run one after another on one worker,
+# never two of them at once on the 2 cores, while the other workers take the rest. A module
+# with an expensive module-scoped fixture (a docs build, the compatibility matrix, the
+# simulation's seeds) is a group of its own, so the fixture runs once.
+TIMING_GROUP = "timing"
+MODULE_GROUPS = ("test_compat", "test_docs", "test_sim")
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    module = item.module.__name__ if isinstance(item, pytest.Function) else ""
+    if item.get_closest_marker("faults") is not None or "processes" in module:
+        return TIMING_GROUP
+    if module in MODULE_GROUPS:
+        return module
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: each item's group (above, unless it has one), and the longest work
+    first (the timing group, then the other groups and the slow tests), so that no worker
+    starts a long test near the end while the others are done."""
+    if not (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
+        return
+    for item in items:
+        group = _xdist_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def rank(item: pytest.Item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        if marker is not None:
+            return 0 if marker.args and marker.args[0] == TIMING_GROUP else 1
+        return 1 if item.get_closest_marker("slow") is not None else 2
+
+    items.sort(key=rank)  # stable: the order of the files and within them is kept
+
+
 def pytest_report_header() -> str:
     return f"aiolocks tests event loop: {TEST_LOOP}, client library: {TEST_CLIENT}"
 

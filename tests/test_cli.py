@@ -449,6 +449,7 @@ def _installed_script() -> list[str]:
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_the_installed_script_releases_on_a_real_terminal(
     url: str, r: redis.asyncio.Redis, client_for: Callable[[], Any], tasks: Tasks
 ) -> None:
@@ -524,6 +525,7 @@ async def test_python_m_aiolocks_is_the_aiolocks_command() -> None:
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(
     url: str, r: redis.asyncio.Redis
 ) -> None:

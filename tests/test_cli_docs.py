@@ -87,6 +87,7 @@ async def hold_the_examples_locks(
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_every_command_in_the_docs_runs_as_documented(
     url: str, r: redis.asyncio.Redis, tasks: Tasks, monkeypatch: pytest.MonkeyPatch
 ) -> None:

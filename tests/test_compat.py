@@ -30,6 +30,9 @@ from _cluster import Cluster
 from _servers import ServerKind, ServerProcess, binary_path
 from conftest import ClusterPool
 
+# Whole-suite checks in other processes: not in the quick loop (`-m "not slow ..."`).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "tests" / "_compat_smoke.py"
 CACHE = Path(os.environ.get("AIOLOCKS_COMPAT_CACHE") or Path(tempfile.gettempdir()))
@@ -229,9 +232,10 @@ class Matrix:
 
     def stop(self) -> None:
         for run in (self._runs or {}).values():
-            if run.process is not None and run.process.poll() is None:
-                run.process.kill()
-                run.process.communicate()
+            if run.process is not None:
+                if run.process.poll() is None:
+                    run.process.kill()
+                run.process.communicate()  # its pipes closed, also for a cell nobody asked
         for server in self._servers:
             server.stop()
         for each in self._clusters:

@@ -246,29 +246,28 @@ async def _lines_until(worker: Worker, text: str, timeout: float = 60.0) -> list
 
 
 @ONE_SERVER
-async def test_the_scheduler_example_stopped_by_ctrl_c_as_leader_resigns_quietly(
-    r: redis.asyncio.Redis, url: str
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_the_scheduler_example_stopped_as_leader_resigns_quietly(
+    r: redis.asyncio.Redis, url: str, stop: signal.Signals
 ) -> None:
+    """Ctrl-C (to the process group, as a terminal sends it) or a SIGTERM (`kill`, a
+    container's stop): the leader resigns on the way out and says nothing."""
     example = ROOT / "examples" / "singleton_scheduler.py"
     async with _program(sys.executable, WATCH, example, "replica-a", env={"REDIS_URL": url}) as app:
         await _lines_until(app, "elected replica-a")
-        os.killpg(app.proc.pid, signal.SIGINT)  # Ctrl-C
+        _stop(app, stop)
         assert await app.finish() == 0
         assert app.stderr == ""
     assert await RedisElection(r, "scheduler").leader() is None  # resigned on the way out
 
 
-@ONE_SERVER
-async def test_the_scheduler_example_stopped_by_sigterm_resigns_quietly_too(
-    r: redis.asyncio.Redis, url: str
-) -> None:
-    example = ROOT / "examples" / "singleton_scheduler.py"
-    async with _program(sys.executable, WATCH, example, "replica-a", env={"REDIS_URL": url}) as app:
-        await _lines_until(app, "elected replica-a")
-        app.proc.send_signal(signal.SIGTERM)  # `kill`, a container's stop
-        assert await app.finish() == 0
-        assert app.stderr == ""
-    assert await RedisElection(r, "scheduler").leader() is None
+def _stop(app: Worker, how: signal.Signals) -> None:
+    """Ctrl-C goes to the whole process group, as a terminal sends it; other signals to the
+    program alone, as `kill` does."""
+    if how == signal.SIGINT:
+        os.killpg(app.proc.pid, how)
+    else:
+        app.proc.send_signal(how)
 
 
 @ONE_SERVER
@@ -284,10 +283,7 @@ async def test_the_web_examples_stop_quietly_on_ctrl_c_and_sigterm(
     async with _program(sys.executable, example, port, env={"REDIS_URL": url}) as app:
         said = await _lines_until(app, "Ctrl-C stops it")
         assert f"orders service at http://127.0.0.1:{port}" in said
-        if stop == signal.SIGINT:
-            os.killpg(app.proc.pid, signal.SIGINT)
-        else:
-            app.proc.send_signal(stop)
+        _stop(app, stop)
         status = await app.finish()
     # uvicorn raises a SIGTERM again once it has shut down, as the signal would end it.
     assert status in ((0, -signal.SIGTERM) if stop == signal.SIGTERM else (0,)), app.stderr

@@ -465,8 +465,8 @@ def test_missing_extra_raises_a_clear_import_error(monkeypatch: pytest.MonkeyPat
     for module in [m for m in sys.modules if m.startswith("opentelemetry")]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # `import opentelemetry` fails
-    monkeypatch.delitem(sys.modules, "aiolocks.otel._recorder")
-    monkeypatch.delattr(aiolocks, "_otel")
+    monkeypatch.delitem(sys.modules, "aiolocks.otel._recorder", raising=False)
+    monkeypatch.delattr(aiolocks.otel, "_recorder", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'aiolocks\[otel\]'"):
         aiolocks.otel.instrument()
     assert not aiolocks.otel.is_instrumented()

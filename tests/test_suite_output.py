@@ -9,6 +9,9 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# pytest in subprocesses: not in the quick loop (`-m "not slow ..."`).
+pytestmark = pytest.mark.slow
+
 # A suite of two "fault tests" recording figures through the real plugin.
 CONFTEST = f"""
 import sys
