@@ -335,7 +335,7 @@ def test_the_home_tables_first_column_stays_on_one_line(site: Path) -> None:
     assert 'href="stylesheets/extra.css"' in home
     css = " ".join((site / "stylesheets" / "extra.css").read_text().split())
     assert "table:not([class]) td:first-child code { white-space: nowrap; }" in css
-    assert "<td><a href=\"rwlock/\"><code>RedisReadWriteLock</code></a></td>" in home
+    assert '<td><a href="rwlock/"><code>RedisReadWriteLock</code></a></td>' in home
 
 
 def test_the_api_reference_comes_from_the_docstrings(site: Path) -> None:
