@@ -23,6 +23,9 @@ from .election import Term as Term
 from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
+from .ratelimit import RateLimiterInfo as RateLimiterInfo
+from .ratelimit import RateLimiterStatistics as RateLimiterStatistics
+from .ratelimit import RedisRateLimiter as RedisRateLimiter
 from .registry import RedisRegistry as RedisRegistry
 from .registry import RegistryStatistics as RegistryStatistics
 from .rwlock import ReadLock as ReadLock
@@ -47,10 +50,13 @@ __all__ = (
     "MutexInfo",
     "NotReplicated",
     "RWLockInfo",
+    "RateLimiterInfo",
+    "RateLimiterStatistics",
     "ReadLock",
     "RedisElection",
     "RedisMultiLock",
     "RedisMutex",
+    "RedisRateLimiter",
     "RedisReadWriteLock",
     "RedisRegistry",
     "RedisSemaphore",

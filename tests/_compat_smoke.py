@@ -31,6 +31,7 @@ from aiolocks import (
     RedisElection,
     RedisMultiLock,
     RedisMutex,
+    RedisRateLimiter,
     RedisReadWriteLock,
     RedisRegistry,
     RedisSemaphore,
@@ -45,35 +46,36 @@ TTL = 30.0
 Side = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 
-def _sides(kind: str, name: str) -> tuple[Side, Side]:
-    """Two ways to enter `name` that exclude each other (holder, waiter)."""
+def _sides(kind: str, name: str, ttl: float = TTL) -> tuple[Side, Side]:
+    """Two ways to enter `name` that exclude each other (holder, waiter), with leases of
+    `ttl` (also tests/_client_configs_smoke.py's)."""
     if kind == "mutex":
-        return (lambda c: RedisMutex(c, name, ttl=TTL)), (lambda c: RedisMutex(c, name, ttl=TTL))
+        return (lambda c: RedisMutex(c, name, ttl=ttl)), (lambda c: RedisMutex(c, name, ttl=ttl))
     if kind == "mutex-local":
         return (
-            (lambda c: RedisMutex(c, name, ttl=TTL, local_handoff=16)),
-            (lambda c: RedisMutex(c, name, ttl=TTL, local_handoff=16)),
+            (lambda c: RedisMutex(c, name, ttl=ttl, local_handoff=16)),
+            (lambda c: RedisMutex(c, name, ttl=ttl, local_handoff=16)),
         )
     if kind == "semaphore":
         return (
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
-            (lambda c: RedisSemaphore(c, name, limit=1, ttl=TTL)),
+            (lambda c: RedisSemaphore(c, name, limit=1, ttl=ttl)),
+            (lambda c: RedisSemaphore(c, name, limit=1, ttl=ttl)),
         )
     if kind == "rwlock":
         return (
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).write()),
-            (lambda c: RedisReadWriteLock(c, name, ttl=TTL).read()),
+            (lambda c: RedisReadWriteLock(c, name, ttl=ttl).write()),
+            (lambda c: RedisReadWriteLock(c, name, ttl=ttl).read()),
         )
     if kind == "multilock":
         names = [f"{name}-a", f"{name}-b"]
         return (
-            (lambda c: RedisMultiLock(c, names, ttl=TTL)),
-            (lambda c: RedisMultiLock(c, names[::-1], ttl=TTL)),
+            (lambda c: RedisMultiLock(c, names, ttl=ttl)),
+            (lambda c: RedisMultiLock(c, names[::-1], ttl=ttl)),
         )
     if kind == "election":
         return (
-            (lambda c: RedisElection(c, name, ttl=TTL).campaign("a")),
-            (lambda c: RedisElection(c, name, ttl=TTL).campaign("b")),
+            (lambda c: RedisElection(c, name, ttl=ttl).campaign("a")),
+            (lambda c: RedisElection(c, name, ttl=ttl).campaign("b")),
         )
     raise ValueError(kind)
 
@@ -157,6 +159,29 @@ async def _registry(a: Any, b: Any, tag: str) -> int:
     return 1
 
 
+async def _ratelimit(a: Any, b: Any, tag: str) -> int:
+    """The rate limiter's scripts on this server and client: a burst, a refusal that
+    reserves nothing, a wait for the next slot, and a wrong-type key's error text."""
+    name = f"smoke-{tag}-rate"
+    first, second = (RedisRateLimiter(c, name, rate=10, burst=2) for c in (a, b))
+    assert await first.acquire(blocking=False) and await first.acquire(blocking=False)
+    assert not await second.acquire(blocking=False)
+    started = time.monotonic()
+    assert await second.acquire(timeout=1.0)
+    assert time.monotonic() - started >= 0.05  # waited for the slot ~100 ms away
+    wrong = f"smoke-{tag}-rate-wrong"
+    key = f"aiolocks:ratelimit:{{{wrong}}}:state"
+    await a.hset(key, "x", "1")
+    try:
+        await RedisRateLimiter(a, wrong, rate=1).acquire()
+    except ServerUnavailable as exc:
+        assert f"{key} holds a hash, not a string" in str(exc), str(exc)
+    else:
+        raise AssertionError("a wrong-type key was taken for a rate limiter's state")
+    await a.delete(key)
+    return 1
+
+
 async def _error_text(client: Any, cell: str) -> int:
     """A key of another type under the lock's name: the error names the key and the type
     (on every server version; before Redis 7.0 the server cannot format a Lua error table)."""
@@ -217,6 +242,7 @@ async def _cell(args: argparse.Namespace) -> dict[str, Any]:
             for kind in KINDS:
                 checks += await _primitive(kind, a, b, tag)
             checks += await _registry(a, b, tag)
+            checks += await _ratelimit(a, b, tag)
             pipe = context_for(a).autopipe
             if pipe is not None and pipe._link is not None:
                 direct.append(pipe._link.parser is not None)

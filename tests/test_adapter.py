@@ -144,6 +144,56 @@ async def test_sharded_subscriptions_survive_a_reconnect(
         await pubsub.aclose()
 
 
+async def test_a_sharded_subscription_by_hand_reads_nothing_beside_the_reader(
+    valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `health_check_interval` (past its interval), SSUBSCRIBE by hand while another
+    task reads the connection: redis-py's `execute_command` would send a health-check PING
+    and read its reply, a second reader (issue 34); written on the connection, it reads
+    nothing, and the reader gets the confirmation."""
+    monkeypatch.setattr(_adapter, "_native", lambda pubsub: False)
+    client = redis.asyncio.Redis.from_url(valkey_notify.url, health_check_interval=1)
+    pubsub: Any = client.pubsub()
+    try:
+        await _adapter.ssubscribe(pubsub, b"first")
+        assert await _next(pubsub) == ("ssubscribe", b"first")
+        reader = asyncio.create_task(_next_message(pubsub))
+        await asyncio.sleep(1.2)  # the reader waits in its read, past the interval
+        await _adapter.ssubscribe(pubsub, b"second")  # no second read: no RuntimeError
+        assert await asyncio.wait_for(reader, 5) == ("ssubscribe", b"second")
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
+
+
+async def _next_message(pubsub: Any) -> tuple[str, bytes]:
+    """`_next`, past the replies of the reader's own health checks (None)."""
+    while True:
+        try:
+            return await _next(pubsub)
+        except TypeError:  # get_message gave None: a health check's PONG
+            continue
+
+
+async def test_the_engine_client_is_the_users_settings_in_a_pool_of_its_own(
+    client: Any,
+) -> None:
+    """Same library, connection class and settings; its own pool (not counted against the
+    user's max_connections); disconnected when the user's pool is."""
+    engine = _adapter.engine_client(client)
+    assert type(engine) is type(client) and engine is not client
+    own, theirs = engine.connection_pool, client.connection_pool
+    assert own is not theirs and own.connection_class is theirs.connection_class
+    per_pool = {"maint_notifications_pool_handler"}  # redis-py 8.1 makes one per pool
+    settings = {k: v for k, v in own.connection_kwargs.items() if k not in per_pool}
+    assert settings == {k: v for k, v in theirs.connection_kwargs.items() if k not in per_pool}
+    assert await engine.ping()
+    assert _adapter.holds_connections(engine) and not _adapter.holds_connections(client)
+    await client.aclose()  # its pool disconnects: the engine's goes with it
+    assert not _adapter.holds_connections(engine)
+    await _adapter.close_engine_client(engine, client)
+
+
 async def _next(pubsub: Any) -> tuple[str, bytes]:
     message = await asyncio.wait_for(pubsub.get_message(timeout=None), 5)
     kind = message["type"]

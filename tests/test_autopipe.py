@@ -347,7 +347,8 @@ async def test_an_idle_link_gives_its_connection_back(
     link = _pipe(context)._link
     assert link is not None and link.reader is not None and link.transport is not None
     own = _replies_protocol(_pipe(context)).inner
-    pool = named.connection_pool
+    engine: Any = context.engine  # the engine's own connections (`_adapter.engine_client`)
+    pool = engine.connection_pool
     assert link.connection in pool._in_use_connections
     await asyncio.wait_for(link.reader, 5)
     assert _pipe(context)._link is None
@@ -440,13 +441,15 @@ async def test_a_resp3_push_on_the_link_answers_no_call(url: str, r: redis.async
     try:
         # The connection the link will take: tracking on, and a key read (so tracked).
         await r.set("ap:tracked", "first")
-        connection = await _adapter.pooled_connection(client.connection_pool)
+        context = context_for(client)
+        engine: Any = context.engine  # the engine's own connections (`_adapter.engine_client`)
+        pool = engine.connection_pool
+        connection = await _adapter.pooled_connection(pool)
         await connection.send_command("CLIENT", "TRACKING", "ON")
         assert await connection.read_response() in (b"OK", "OK")
         await connection.send_command("GET", "ap:tracked")
         await connection.read_response()
-        await client.connection_pool.release(connection)
-        context = context_for(client)
+        await pool.release(connection)
         assert await context.run(ECHO, (), ("before",)) == b"before"
         link = _pipe(context)._link
         assert link is not None and link.connection is connection

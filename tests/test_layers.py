@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("leases", frozenset({"_leases"})),
     ("engine", frozenset({"_engine"})),
     ("primitives", frozenset({"mutex", "semaphore", "rwlock", "registry", "multilock",
-                              "election"})),
+                              "election", "ratelimit"})),
     ("on top", frozenset({"integrations", "cli", "otel", "testing", "", "__main__"})),
 )  # fmt: skip
 

@@ -58,6 +58,9 @@ SCENARIOS = {
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
     "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
     "cohort-release-bound": "found by the simulation: a cohort release past the validity",
+    "loop-ends-after-cancelling-waiters": "issue 34: a withdrawal cut short by the loop's end",
+    # issue 36: RedisRateLimiter's grants under the faults, against the bound and their slots
+    "ratelimit-faults": "the rate limiter: a grant above the bound, or before its slot",
 }
 
 

@@ -10,9 +10,13 @@ tests/test_adapter.py checks each on every supported release (`nox -s compat`).
 What differs by release, and how it is met here:
 - `ConnectionPool.get_connection()` takes a command name before redis-py 5.3 (required)
   and warns when given one from 5.3 on: `pooled_connection` passes it only where needed.
-- the asyncio `PubSub.ssubscribe()` exists from redis-py 8.0 (valkey-py 6.1): before,
-  `ssubscribe` sends SSUBSCRIBE itself and re-sends it when the connection re-connects,
-  as the newer clients do for their own sharded channels.
+- the asyncio `PubSub.ssubscribe()` exists from redis-py 8.0 (valkey-py 6.1.0-6.2.0 have
+  none): before, `ssubscribe` writes SSUBSCRIBE itself and re-sends it when the connection
+  re-connects, as the newer clients do for their own sharded channels. It writes it on the
+  connection, not through `PubSub.execute_command`, whose health check (with
+  `health_check_interval` set) sends a PING and reads its reply: a second reader beside
+  the notifier's, which redis-py refuses ("read() called while another coroutine is
+  already waiting") and valkey-py 6.2 takes a subscription's confirmation for.
 - uvloop's transports are no `asyncio.Transport` subclasses: `socket_transport` asks for
   what the engine uses of a transport, not for a class.
 """
@@ -30,7 +34,9 @@ import redis.asyncio
 
 __all__ = [
     "NEVER_DECODE",
+    "close_engine_client",
     "close_idle_connections",
+    "engine_client",
     "holds_connections",
     "needs_initialise",
     "node_client",
@@ -60,10 +66,13 @@ _TRANSPORT_METHODS = (
 
 # The single-server clients' pool classes, of redis-py and (if installed) valkey-py.
 _POOLS: tuple[type[Any], ...] = (redis.asyncio.ConnectionPool,)
+# valkey-py's single-server client class, if installed.
+_VALKEY: tuple[type[Any], ...] = ()
 try:
     import valkey.asyncio
 
     _POOLS += (valkey.asyncio.ConnectionPool,)
+    _VALKEY = (valkey.asyncio.Valkey,)
 except ImportError:  # valkey-py is optional
     pass
 
@@ -142,6 +151,60 @@ def node_client(node: Any) -> Any:
 _SINGLE_CLIENT = {"redis": "Redis", "valkey": "Valkey"}
 
 
+def engine_client(client: Any) -> Any:
+    """A client for the engine's own connections to `client`'s server: the same connection
+    class and settings (address or unix socket, credentials, TLS, protocol, timeouts,
+    retry, client name), in a pool of its own. So the connections the engine keeps (the
+    auto-pipeline's link, pub/sub) and its background calls never count against the
+    user's `max_connections`, never wait in a `BlockingConnectionPool`, and never share
+    a `single_connection_client`'s one connection. `client` itself when it has no such
+    pool (a Cluster client: its pub/sub is per node already, see `node_client`)."""
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, _POOLS):
+        return client
+    library = "valkey" if isinstance(client, _VALKEY) else "redis"
+    module = importlib.import_module(f"{library}.asyncio")
+    own = module.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
+    _closed_with(pool, own)
+    return getattr(module, _SINGLE_CLIENT[library])(connection_pool=own)
+
+
+# The engine's own pools of each user's pool, closed whenever it is (see `_closed_with`).
+_OWN_POOLS = "_aiolocks_engine_pools"
+
+
+def _closed_with(pool: Any, own: Any) -> None:
+    """Disconnect `own` whenever `pool` disconnects (`client.aclose()`, `pool.aclose()`): a
+    client closed by its user closes the engine's connections too, as when they were the
+    pool's own (a program that makes a client per job leaves none open). The first call
+    wraps the pool instance's `disconnect`; the engine's pools are weakly referenced."""
+    pools: weakref.WeakSet[Any] | None = pool.__dict__.get(_OWN_POOLS)
+    if pools is None:
+        pools = weakref.WeakSet()
+        setattr(pool, _OWN_POOLS, pools)
+        disconnect = pool.disconnect
+
+        async def disconnect_all(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await disconnect(*args, **kwargs)
+            finally:
+                for each in list(pools):
+                    with contextlib.suppress(Exception):
+                        await each.disconnect(*args, **kwargs)
+
+        pool.disconnect = disconnect_all
+    pools.add(own)
+
+
+async def close_engine_client(engine: Any, client: Any) -> None:
+    """Close what `engine_client(client)` made (nothing if it was `client` itself): every
+    connection of its pool, ignoring errors."""
+    if engine is client:
+        return
+    with contextlib.suppress(Exception):
+        await engine.connection_pool.disconnect()
+
+
 async def close_idle_connections(client: Any) -> None:
     """Close the idle connections of a single-server client's pool (not a Cluster
     client's: its pools are per node), ignoring errors."""
@@ -194,7 +257,7 @@ async def ssubscribe(pubsub: Any, channel: bytes) -> None:
     sharded = _SHARDED.get(pubsub)
     if sharded is None:
         sharded = _SHARDED[pubsub] = _Sharded()
-    await pubsub.execute_command("SSUBSCRIBE", channel)
+    await _write(pubsub, "SSUBSCRIBE", channel)
     sharded.channels.add(channel)
     sharded.watch(pubsub.connection)
 
@@ -207,4 +270,11 @@ async def sunsubscribe(pubsub: Any, channel: bytes) -> None:
     sharded = _SHARDED.get(pubsub)
     if sharded is not None:
         sharded.channels.discard(channel)
-    await pubsub.execute_command("SUNSUBSCRIBE", channel)
+    await _write(pubsub, "SUNSUBSCRIBE", channel)
+
+
+async def _write(pubsub: Any, *args: Any) -> None:
+    """Write a command on `pubsub`'s connection (connected first), its reply left to the
+    reader: without the health check, whose PING reply would be read here."""
+    await pubsub.connect()
+    await pubsub.connection.send_command(*args, check_health=False)

@@ -154,8 +154,24 @@ def _translated(name: str, exc: Exception) -> Exception | None:
         return ServerUnavailable(
             name, f"Redis unreachable: the endpoint did not answer as Redis does ({exc})"
         )
+    if isinstance(exc, CONNECTION_ERRORS) and _pool_ran_out(exc):
+        return ServerUnavailable(
+            name, f"the client's connection pool ran out (its max_connections): {exc}"
+        )
     if isinstance(exc, _UNREACHABLE):
         return ServerUnavailable(name, f"Redis unreachable: {exc}")
     if isinstance(exc, RESPONSE_ERRORS):
         return ServerUnavailable(name, f"Redis refused the call: {exc}")
     return None
+
+
+def _pool_ran_out(exc: Exception) -> bool:
+    """A pool at its `max_connections` (redis-py's MaxConnectionsError from 6.0, "Too many
+    connections" before; a BlockingConnectionPool's "No connection available"): the
+    server may be fine."""
+    text = str(exc)
+    return (
+        type(exc).__name__ == "MaxConnectionsError"
+        or "Too many connections" in text
+        or "No connection available" in text
+    )

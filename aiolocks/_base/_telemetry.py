@@ -32,6 +32,7 @@ __all__ = [
     "SpecView",
     "describe",
     "observe_acquire",
+    "observe_call",
     "on_handoff",
     "on_lease_lost",
     "on_release",
@@ -149,6 +150,19 @@ def observe_acquire(method: F) -> F:
     return cast(F, acquire)
 
 
+async def observe_call(
+    lock: LockView, blocking: bool, timeout: float | None, run: Callable[[], Awaitable[bool]]
+) -> bool:
+    """Count the outcome of `run()`, an acquisition of `lock` that is not a `LeasedLock`'s
+    (the rate limiter's), and report it as `observe_acquire` does."""
+    active = recorder
+    if active is not None:
+        return await _observed(active, lambda _l, _b, _t: run(), lock, blocking, timeout)
+    acquired = await run()
+    _tally(lock, acquired, blocking, timeout)
+    return acquired
+
+
 async def _observed(
     active: Recorder, call: AcquireCall, lock: LockView, blocking: bool, timeout: float | None
 ) -> bool:
@@ -215,7 +229,7 @@ def on_renewal(leases: Sequence[LeaseView], results: Sequence[object]) -> None:
 @functools.lru_cache(maxsize=1024)
 def describe(key: bytes) -> tuple[str, str]:
     """(kind, name) of the primitive whose renewal key is `key`; kind is one of `mutex`,
-    `semaphore`, `rwlock_read`, `rwlock_write`."""
+    `semaphore`, `rwlock_read`, `rwlock_write`, `election`, `ratelimit` (its state key)."""
     kind, name, part = parse_key(key)
     if kind == "rwlock":
         kind = "rwlock_write" if part == "writer" else "rwlock_read"

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from .._base import _adapter
@@ -110,7 +110,7 @@ class ClientContext(ScriptRunner):
     def __init__(self, client: AnyRedis) -> None:
         super().__init__(client)
         self.waitqueue = WaitQueue()
-        self.notifier = Notifier(client, self.waitqueue, self.run)
+        self.notifier = Notifier(self.engine, self.waitqueue, self.run)
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see _gate.py).
         self.releases = Gate(RELEASES_IN_FLIGHT)
@@ -126,6 +126,10 @@ class ClientContext(ScriptRunner):
         # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
         # the loop waits for them.
         self.cleanups: set[asyncio.Future[Any]] = set()
+        # Clean-ups cancelled by the loop's end before they finished (asyncio.run cancels
+        # every task it finds, one created in main's last step before its first step):
+        # the loop's end runs each again.
+        self.interrupted: list[Callable[[], Awaitable[None]]] = []
         self._loop_end: AsyncGenerator[None, None] | None = _watch_loop_end(self)
 
     async def aclose(self) -> None:
@@ -155,6 +159,8 @@ class ClientContext(ScriptRunner):
             asyncio.ensure_future(release()) for release in self.keeper.releases()
         ]
         work += [cleanup for cleanup in self.cleanups if not cleanup.done()]
+        interrupted, self.interrupted = self.interrupted, []
+        work += [asyncio.ensure_future(again()) for again in interrupted]
         if work:
             _, late = await asyncio.wait(work, timeout=SHUTDOWN_BOUND)
             for future in late:

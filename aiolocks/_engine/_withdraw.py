@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -92,7 +93,27 @@ def background_release(
     for running in (_BACKGROUND, context.cleanups):
         running.add(task)
         task.add_done_callback(running.discard)
+    again = functools.partial(_retried, call, spec.name, token, bound)
+    task.add_done_callback(functools.partial(_cut_short, context, again, after))
     return task
+
+
+def _cut_short(
+    context: ClientContext,
+    again: Callable[[], Awaitable[None]],
+    after: Awaitable[Any] | None,
+    task: asyncio.Future[None],
+) -> None:
+    """A clean-up task that ended cancelled: only the loop's end cancels one (asyncio.run
+    cancels every task left, even one created in the step in which `main` returned, before
+    its first step). It is run again at the loop's end (`ClientContext.interrupted`); the
+    call in flight it was to wait for is gone with the loop, so it is not waited for."""
+    if not task.cancelled():
+        return
+    if inspect.iscoroutine(after) and inspect.getcoroutinestate(after) == inspect.CORO_CREATED:
+        after.close()  # never started: closed, not left to warn "never awaited"
+    if not context.closed:
+        context.interrupted.append(again)
 
 
 async def _retried(

@@ -48,8 +48,11 @@ class ScriptRunner:
 
     def __init__(self, client: AnyRedis) -> None:
         self.client = client
+        # The engine's own connections, made like the client's but in a pool of their own
+        # (not on Cluster): never the user's budget (see `_adapter.engine_client`).
+        self.engine: AnyRedis = _adapter.engine_client(client)
         # redis-py leaves execute_command untyped; the engine only ever awaits its reply.
-        self._execute: Callable[..., Awaitable[Any]] = client.execute_command
+        self._execute: Callable[..., Awaitable[Any]] = self.engine.execute_command
         if is_cluster(client):
             self._execute = self._cluster_execute
         # Script calls made in one loop iteration go out as one pipeline, on one connection.
@@ -57,10 +60,10 @@ class ScriptRunner:
         # MOVED / ASK there, which a connection of our own would have to redo.
         self.autopipe: AutoPipeline | None = None
         if not is_cluster(client) and autopipelining():
-            self.autopipe = AutoPipeline(client.connection_pool, self._count_sent)  # type: ignore[union-attr,arg-type]
+            self.autopipe = AutoPipeline(self.engine.connection_pool, self._count_sent)
         # On Cluster each node has its own pool; the bound then applies per client. The
-        # pool also serves the pub/sub connection and the auto-pipeline's one.
-        pool = getattr(client, "connection_pool", None)
+        # engine's pool serves the pub/sub connection and the auto-pipeline's one too.
+        pool = getattr(self.engine, "connection_pool", None)
         pool_limit = int(getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2))
         spare = pool_limit - 2 - (self.autopipe is not None)
         self._slots = asyncio.Semaphore(max(1, min(_MAX_IN_FLIGHT, spare)))
@@ -144,7 +147,7 @@ class ScriptRunner:
         await self._ready()
         for by_source in (False, True):
             async with self._slots:
-                pipe = self.client.pipeline(transaction=False)
+                pipe = self.engine.pipeline(transaction=False)
                 pipe.execute_command(*command(script, keys, args, by_source=by_source))
                 pipe.execute_command("WAIT", replicas, timeout_ms)
                 self.commands_sent += 2
@@ -166,7 +169,7 @@ class ScriptRunner:
         """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
         await self._ready()
         async with self._slots:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.engine.pipeline(transaction=False)
             for args in commands:
                 pipe.execute_command(*args, **{_adapter.NEVER_DECODE: True})
             results: list[Any] = await pipe.execute()
@@ -192,7 +195,7 @@ class ScriptRunner:
     async def _send(self, calls: list[Staged], *, by_source: bool) -> list[Any]:
         await self._ready()
         async with self._slots:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.engine.pipeline(transaction=False)
             for call in calls:
                 pipe.execute_command(*command(*call, by_source=by_source))
             self.commands_sent += len(calls)
@@ -232,6 +235,8 @@ class ScriptRunner:
             await self.client.initialize()
 
     async def _stop(self) -> None:
-        """Close the auto-pipeline's connection (calls made later fail)."""
+        """Close the auto-pipeline's connection and the engine's own (calls made later
+        fail)."""
         if self.autopipe is not None:
             await self.autopipe.aclose()
+        await _adapter.close_engine_client(self.engine, self.client)

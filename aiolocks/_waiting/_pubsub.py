@@ -16,7 +16,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .._base import _adapter
-from .._base._errors import REDIS_ERRORS
+from .._base._errors import REDIS_ERRORS, TIMEOUT_ERRORS
 
 __all__ = ["Link"]
 
@@ -30,7 +30,8 @@ class Link:
         self.pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
         self.reader: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
-        self.saved_retry: tuple[Any, Any] | None = None
+        # The connection's own settings, put back when it goes back to the pool.
+        self.saved: tuple[Any, Any, float] | None = None
         self.owns_client = False  # a per-node client made by the notifier, closed with it
         # Unsubscriptions sent and not yet confirmed, by channel: the reader reads on until
         # they are, so no stale confirmation is left in the socket for a later subscriber
@@ -59,13 +60,14 @@ class Link:
         """Subscribe `wake` (SSUBSCRIBE if `sharded`) and `keyspace`; under `lock`."""
         if self.pubsub is None:
             self.pubsub = self.client.pubsub()
+        await self.pubsub.connect()
+        self._own_connection()
         if sharded:
             await _adapter.ssubscribe(self.pubsub, wake)
         else:
             await self.pubsub.subscribe(wake)
         if keyspace is not None:  # keyspace events are never sharded
             await self.pubsub.subscribe(keyspace)
-        self._own_reconnects()
 
     async def unsubscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
         """Unsubscribe what `subscribe` subscribed, if connected; errors are ignored (a
@@ -82,17 +84,28 @@ class Link:
                 self.expect_unsubscribed(keyspace)
                 await self.pubsub.unsubscribe(keyspace)
 
-    def _own_reconnects(self) -> None:
+    def _own_connection(self) -> None:
+        """The pub/sub connection's read policy is the reader's, not the client's."""
         connection = self.pubsub.connection
-        if connection is None:
+        if connection is None or self.saved is not None:
             return
-        if self.saved_retry is None:
-            # redis-py's retry re-connects inside a failed read (even after the client was
-            # closed, and even while the loop shuts down, orphaning the new socket). The
-            # reader re-connects by itself, with a bounded back-off, so errors must reach
-            # it untouched. The client's policy is put back when the connection goes back.
-            self.saved_retry = (connection, connection.retry)
-            connection.retry = _Once()
+        self.saved = (connection, connection.retry, connection.health_check_interval)
+        # redis-py's retry re-connects inside a failed read (even after the client was
+        # closed, and even while the loop shuts down, orphaning the new socket). The reader
+        # re-connects by itself, with a bounded back-off, so errors must reach it untouched.
+        connection.retry = _Once()
+        # A health check reads a PING's reply wherever a command is sent: beside the
+        # reader's read, a second reader (redis-py refuses it, valkey-py 6.2 mistakes one
+        # reply for the other). The reader's blocking read needs none.
+        connection.health_check_interval = 0
+
+    def idle(self, error: Exception) -> bool:
+        """Whether a failed read only timed out on a quiet, still open connection (the
+        client's `socket_timeout`): nothing is wrong, no message came."""
+        connection = None if self.pubsub is None else self.pubsub.connection
+        return (
+            isinstance(error, TIMEOUT_ERRORS) and connection is not None and connection.is_connected
+        )
 
     async def disconnect(self) -> None:
         """Drop the socket (after a failed read): the next read re-connects and
@@ -107,10 +120,10 @@ class Link:
         opens a new one). Only called when no reader is reading it."""
         pubsub, self.pubsub = self.pubsub, None
         self.unsubscribing.clear()
-        if self.saved_retry is not None:
-            connection, retry = self.saved_retry
-            connection.retry = retry
-            self.saved_retry = None
+        if self.saved is not None:
+            owned: Any = self.saved[0]
+            owned.retry, owned.health_check_interval = self.saved[1:]
+            self.saved = None
         if pubsub is not None:
             connection = pubsub.connection
             with contextlib.suppress(Exception):

@@ -234,6 +234,8 @@ class Subscriptions:
             except Exception as exc:  # the link is down: everyone re-checks on their own
                 if cancelling():
                     return  # shutting down: a dropped socket raced the cancellation
+                if link.idle(exc):
+                    continue  # `socket_timeout` passed with no message: read on
                 log.debug("aiolocks: pub/sub read on %r failed: %r", link.name, exc)
                 link.unsubscribing.clear()  # a new connection: nothing stale can come
                 if not any(channel.refs > 0 for channel in self._routed(link)):

@@ -9,7 +9,7 @@ from .. import __version__
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from ._connect import DEFAULT_CONNECT_TIMEOUT, DEFAULT_URL
 from ._errors import EXIT_LEASE_LOST, EXIT_NOT_ACQUIRED
-from ._scan import KINDS
+from ._scan import KINDS, LOCK_KINDS
 
 __all__ = ["build_parser"]
 
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="release only the holder whose token starts with this (default: every holder)",
     )
     release.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
-    release.add_argument("--kind", choices=KINDS[:-1], help=kind_help)
+    release.add_argument("--kind", choices=LOCK_KINDS, help=kind_help)
 
     demo = commands.add_parser(
         "demo",

@@ -24,7 +24,7 @@ from ._connect import connected, server_url
 from ._errors import NotFound, Refused, UsageError
 from ._io import Streams
 from ._prompt import confirm
-from ._scan import resolve_kind
+from ._scan import LOCK_KINDS, resolve_kind
 from ._view import Holder, View, view_of
 
 __all__ = ["run"]
@@ -40,8 +40,8 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
         )
     async with connected(server_url(args.url), args.connect_timeout) as client:
         kind = await resolve_kind(client, args.prefix, args.name, args.kind)
-        if kind == "registry":
-            raise Refused(f"registry {args.name!r} is not a lock: nothing to release")
+        if kind not in LOCK_KINDS:
+            raise Refused(f"{kind} {args.name!r} is not a lock: nothing to release")
         view = await view_of(client, kind, args.name, args.prefix)
         targets = _targets(view, args.token)
         confirm(io, _question(view, targets), assume_yes=args.yes, declined="nothing released")

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from ..election import ElectionInfo
 from ..mutex import MutexInfo
+from ..ratelimit import RateLimiterInfo
 from ..rwlock import RWLockInfo
 from ..semaphore import SemaphoreInfo
 from ._view import SHORT_TOKEN, Info, View, state_of
@@ -79,6 +80,19 @@ def _facts(info: Info) -> list[tuple[str, str]]:
             ("queue", f"{info.queue_length} waiting"),
             ("fence", str(info.fence)),
         ]
+    if isinstance(info, RateLimiterInfo):
+        if info.burst is None:
+            return [("settings", "none stored (idle: the key expired)")]
+        return [
+            ("rate", f"{info.rate:g} per {info.per:g} s"),
+            ("burst", str(info.burst)),
+            ("free now", str(info.available)),
+            (
+                "next free slot",
+                "now" if not info.next_free_ms else f"in {duration(info.next_free_ms)}",
+            ),
+            ("reserved until", "-" if not info.reserved_ms else f"in {duration(info.reserved_ms)}"),
+        ]
     return [("names", str(info.names))]
 
 
@@ -94,7 +108,7 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
     for label, value in _facts(view.info):
         head.add_row(label, value)
     parts: list[RenderableType] = [head]
-    if view.kind == "registry":
+    if view.kind in ("registry", "ratelimit"):
         return Group(*parts)
 
     sided = view.kind == "rwlock"  # the only kind whose holders and waiters differ in side

@@ -12,7 +12,16 @@ import redis.exceptions
 from .._base._keys import KeySpace, validate_name
 from ._errors import NotFound, Refused, UsageError
 
-__all__ = ["KINDS", "PARTS", "Found", "kinds_of", "resolve_kind", "scan", "scan_pattern"]
+__all__ = [
+    "KINDS",
+    "LOCK_KINDS",
+    "PARTS",
+    "Found",
+    "kinds_of",
+    "resolve_kind",
+    "scan",
+    "scan_pattern",
+]
 
 # Every key each kind of primitive may have (a free mutex keeps only its fence counter).
 PARTS: dict[str, tuple[str, ...]] = {
@@ -21,8 +30,11 @@ PARTS: dict[str, tuple[str, ...]] = {
     "rwlock": ("writer", "readers", "queue", "waiters", "fence", "fences"),
     "election": ("leader", "queue", "waiters", "fence", "candidates"),
     "registry": ("ids", "names", "counter"),
+    "ratelimit": ("state",),
 }
 KINDS = tuple(PARTS)
+# The kinds that are locks (something is held, and can be released).
+LOCK_KINDS = ("mutex", "semaphore", "rwlock", "election")
 
 # What follows "<prefix>:" in a key: braces cannot occur in a prefix or a name.
 _REST = re.compile(r"(?P<kind>[a-z]+):\{(?P<name>[^{}]*)\}:(?P<part>[^:{}]+)")

@@ -19,6 +19,7 @@ import redis.asyncio
 from .._base._keys import KeySpace
 from ..election import ElectionInfo, RedisElection
 from ..mutex import MutexInfo, RedisMutex
+from ..ratelimit import RateLimiterInfo, RedisRateLimiter
 from ..registry import RedisRegistry
 from ..rwlock import RedisReadWriteLock, RWLockInfo
 from ..semaphore import RedisSemaphore, SemaphoreInfo
@@ -49,7 +50,7 @@ class RegistryInfo:
     names: int  # names registered (= the highest id)
 
 
-Info = MutexInfo | SemaphoreInfo | RWLockInfo | ElectionInfo | RegistryInfo
+Info = MutexInfo | SemaphoreInfo | RWLockInfo | ElectionInfo | RegistryInfo | RateLimiterInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,13 @@ def state_of(info: Info) -> str:
         return f"read-held x{info.readers}" if info.readers else "free"
     if isinstance(info, ElectionInfo):
         return f"led by {info.value!r}" if info.leader is not None else "vacant"
+    if isinstance(info, RateLimiterInfo):
+        if info.burst is None:
+            return "idle"
+        settings = f"{info.rate:g} per {info.per:g} s"
+        if info.available:
+            return f"{info.available}/{info.burst} free, {settings}"
+        return f"next slot in {info.next_free_ms} ms, {settings}"
     return f"{info.names} names"
 
 
@@ -149,13 +157,16 @@ async def info_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str
         return await RedisElection(client, name, prefix=prefix).inspect()
     if kind == "registry":
         return RegistryInfo(name, await RedisRegistry(client, name, prefix=prefix).count())
+    if kind == "ratelimit":
+        # The settings given here are never used by inspect(), which reads the stored ones.
+        return await RedisRateLimiter(client, name, rate=1, prefix=prefix).inspect()
     raise ValueError(f"unknown kind {kind!r}")
 
 
 async def view_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str) -> View:
     """`info_of`, then holders and queue in one MULTI/EXEC with the server's TIME."""
     info = await info_of(client, kind, name, prefix)
-    if kind == "registry":
+    if kind in ("registry", "ratelimit"):  # no holders, no queue
         now = _ms(await client.time())
         return View(kind, name, prefix, info, (), (), now)
     keys = KeySpace(prefix, kind, name)

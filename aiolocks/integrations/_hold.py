@@ -25,7 +25,7 @@ from .._engine._settings import DEFAULT_TTL, validate_timeout, validate_ttl
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore, _validate_limit
 
-__all__ = ["HeldLock", "LockOptions", "LockPolicy", "NameTemplate", "Refusal"]
+__all__ = ["HeldLock", "LockOptions", "LockPolicy", "NameTemplate", "Refusal", "status_code"]
 
 log = logging.getLogger("aiolocks")
 
@@ -41,12 +41,20 @@ class HeldLock:
 
 
 class Refusal(Exception):
-    """The request cannot go on: answer `status` with the JSON `body`."""
+    """The request cannot go on: answer `status` with the JSON `body` (and `headers`)."""
 
-    def __init__(self, status: int, error: str, name: str, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        name: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body: dict[str, str] = {"error": error, "lock": name, "message": message}
+        self.headers = headers
 
 
 class NameTemplate:
@@ -89,7 +97,8 @@ class NameTemplate:
         return self.template.format_map(values)
 
 
-def _status(value: object, what: str, low: int) -> int:
+def status_code(value: object, what: str, low: int) -> int:
+    """`value` if it is an HTTP status in `low`..599; raises naming `what` if not."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int HTTP status, not {type(value).__name__}")
     if not low <= value <= 599:
@@ -126,8 +135,8 @@ class LockPolicy:
         if self.limit is not None:
             _validate_limit(self.limit)
         validate_prefix(self.prefix)
-        _status(self.busy_status, "busy_status", 400)
-        _status(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx
+        status_code(self.busy_status, "busy_status", 400)
+        status_code(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx
 
     def make(
         self, client: AnyRedis, name: str, scope: anyio.CancelScope

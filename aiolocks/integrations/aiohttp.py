@@ -1,4 +1,6 @@
-"""aiohttp.web: hold a lock for the duration of a request, per handler or by middleware.
+"""aiohttp.web: hold a lock for the duration of a request, per handler or by middleware;
+or let requests in within a rate limit (`rate_limited`, `limit_middleware`: 429 with
+`Retry-After`).
 
     app[REDIS] = client                        # e.g. in a cleanup_ctx
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Unpack, cast
 
 import redis.asyncio
@@ -28,8 +31,19 @@ from aiohttp import web
 
 from .._base._clients import AnyRedis, ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+from ._limit import LimitOptions, LimitPolicy, Permit
 
-__all__ = ["REDIS", "HeldLock", "held_lock", "lock_middleware", "locked"]
+__all__ = [
+    "REDIS",
+    "HeldLock",
+    "Permit",
+    "held_lock",
+    "limit_middleware",
+    "lock_middleware",
+    "locked",
+    "permit",
+    "rate_limited",
+]
 
 REDIS = web.AppKey("aiolocks_redis", redis.asyncio.Redis)
 """Where the integration finds the Redis client: `app[REDIS]` (parent apps included)."""
@@ -38,16 +52,24 @@ REDIS = web.AppKey("aiolocks_redis", redis.asyncio.Redis)
 _HELD: Any = (
     web.RequestKey("aiolocks_held", HeldLock) if hasattr(web, "RequestKey") else "aiolocks_held"
 )
+_PERMIT: Any = (
+    web.RequestKey("aiolocks_permit", Permit) if hasattr(web, "RequestKey") else "aiolocks_permit"
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 NameFunction = Callable[[web.Request], str | Awaitable[str | None] | None]
 
 
 class _Locker:
-    """Runs a handler holding its request's lock; what the decorator and middleware share."""
+    """Runs a handler holding its request's lock (or permits: `hold`, stored in the request
+    under `key`); what the decorators and middlewares share."""
 
     def __init__(
-        self, name: str | NameFunction, policy: LockPolicy, client: AnyRedis | None
+        self,
+        name: str | NameFunction,
+        hold: Callable[[Any, str], AbstractAsyncContextManager[object]],
+        client: AnyRedis | None,
+        key: Any = None,
     ) -> None:
         if isinstance(name, str):
             name = _template_function(NameTemplate(name))
@@ -56,8 +78,9 @@ class _Locker:
         if client is not None:
             ensure_async_client(client)
         self.name_of = name
-        self.policy = policy
+        self.hold = hold
         self.client = client
+        self.key = _HELD if key is None else key
 
     async def run(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -67,11 +90,11 @@ class _Locker:
             if name is None:
                 return await handler(request)
             client = self.client if self.client is not None else _client_of(request)
-            async with self.policy.hold(client, name) as held:
-                request[_HELD] = held
+            async with self.hold(client, name) as held:
+                request[self.key] = held
                 return await handler(request)
         except Refusal as refusal:
-            return web.json_response(refusal.body, status=refusal.status)
+            return web.json_response(refusal.body, status=refusal.status, headers=refusal.headers)
         raise AssertionError("unreachable: a lease loss always ends in a Refusal")
 
 
@@ -87,8 +110,25 @@ def locked(
     match info, then the query string; or a function of the request returning the name
     (sync or async). The other options are those of `lock_middleware`.
     """
-    locker = _Locker(name, LockPolicy(**options), client)
+    return _decorator(_Locker(name, LockPolicy(**options).hold, client))
 
+
+def rate_limited(
+    name: str | NameFunction,
+    *,
+    rate: float,
+    client: AnyRedis | None = None,
+    **options: Unpack[LimitOptions],
+) -> Callable[[Handler], Handler]:
+    """Decorate a handler so that each request runs only within the rate limit `name`.
+
+    `name` is a template or a function of the request, as for `locked`. The other options
+    are those of `limit_middleware`.
+    """
+    return _decorator(_Locker(name, LimitPolicy(rate, **options).hold, client, _PERMIT))
+
+
+def _decorator(locker: _Locker) -> Callable[[Handler], Handler]:
     def decorate(handler: Handler) -> Handler:
         async def locked_handler(request: web.Request) -> web.StreamResponse:
             return await locker.run(request, handler)
@@ -119,8 +159,32 @@ def lock_middleware(
     - `prefix`: the key prefix, as for the primitives.
     - The client: `client` if given, else `app[REDIS]`.
     """
-    locker = _Locker(name, LockPolicy(**options), client)
+    return _middleware(_Locker(name, LockPolicy(**options).hold, client))
 
+
+def limit_middleware(
+    name: NameFunction,
+    *,
+    rate: float,
+    client: AnyRedis | None = None,
+    **options: Unpack[LimitOptions],
+) -> Any:
+    """A middleware letting each request in only within the rate limit `name(request)`
+    (none if it returns None): a `RedisRateLimiter` of `rate` requests per `per` seconds,
+    at most `burst` (default `rate`) at once, across every process.
+
+    - `timeout`: 0 (the default) refuses at once when no slot is free now; a number of
+      seconds waits up to that long for a slot first; None waits for it whenever it comes.
+    - `busy_status`: 429 (the default), with a `Retry-After` header (seconds until the
+      slot, rounded up) and the JSON body `{"error": "rate_limited", "lock": NAME,
+      "message": ...}`; Redis unreachable, 503.
+    - `cost`: permits each request takes (1); `prefix`: the key prefix.
+    - The client: `client` if given, else `app[REDIS]`.
+    """
+    return _middleware(_Locker(name, LimitPolicy(rate, **options).hold, client, _PERMIT))
+
+
+def _middleware(locker: _Locker) -> Any:
     @web.middleware
     async def aiolocks_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await locker.run(request, handler)
@@ -134,6 +198,16 @@ def held_lock(request: web.Request) -> HeldLock:
         return cast(HeldLock, request[_HELD])
     except KeyError:
         raise LookupError("this request holds no aiolocks lock (no @locked/middleware)") from None
+
+
+def permit(request: web.Request) -> Permit:
+    """The permits the request was granted (name, cost, the limiter)."""
+    try:
+        return cast(Permit, request[_PERMIT])
+    except KeyError:
+        raise LookupError(
+            "this request took no aiolocks permit (no @rate_limited/limit_middleware)"
+        ) from None
 
 
 def _template_function(template: NameTemplate) -> NameFunction:

@@ -1,4 +1,5 @@
-"""FastAPI: a dependency that holds a lock for the duration of a request.
+"""FastAPI: a dependency that holds a lock for the duration of a request, and one that
+lets requests in within a rate limit (`request_limit`, answering 429 with `Retry-After`).
 
     order_lock = request_lock("orders:{order_id}")          # one lock per order id
 
@@ -18,15 +19,19 @@ annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Unpack
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated, Any, TypeVar, Unpack
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
 
 from .._base._clients import ensure_async_client
 from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+from ._limit import LimitOptions, LimitPolicy, Permit
 
-__all__ = ["HeldLock", "request_lock"]
+__all__ = ["HeldLock", "Permit", "request_limit", "request_lock"]
+
+T = TypeVar("T")
 
 NameDependency = Callable[..., str] | Callable[..., Awaitable[str]]
 
@@ -60,7 +65,44 @@ def request_lock(
     The dependency yields a `HeldLock` (name, fencing token, `lost` event, the lock).
     Arguments are checked here, when the app is built.
     """
-    policy = LockPolicy(**options)
+    return _dependency(name, client, state_key, LockPolicy(**options).hold)
+
+
+def request_limit(
+    name: str | NameDependency,
+    *,
+    rate: float,
+    client: redis.asyncio.Redis | None = None,
+    state_key: str = "redis",
+    **options: Unpack[LimitOptions],
+) -> Callable[..., AsyncIterator[Permit]]:
+    """A FastAPI dependency (use it with `Depends`) that lets each request in only within a
+    `RedisRateLimiter`'s limit: at most `rate` requests per `per` seconds for the name, at
+    most `burst` (default `rate`) at once, across every process.
+
+    - `name`, `client`, `state_key`, `prefix`: as for `request_lock` (a template such as
+      `"api:{user_id}"`, or a dependency returning the name).
+    - `timeout`: 0 (the default) refuses at once when no slot is free now; a number of
+      seconds waits for a slot up to that long first (a slot later than that is refused
+      at once, reserving nothing); None waits for it whenever it comes.
+    - `busy_status`: 429 (the default), with a `Retry-After` header (seconds until the slot,
+      rounded up) and the JSON body `{"detail": {"error": "rate_limited", "lock": NAME,
+      "message": ...}}`. Redis unreachable: 503 with `"error": "lock_unavailable"`.
+    - `cost`: the permits each request takes (1).
+
+    The dependency yields a `Permit` (name, cost, the limiter). Arguments are checked here,
+    when the app is built.
+    """
+    return _dependency(name, client, state_key, LimitPolicy(rate, **options).hold)
+
+
+def _dependency(
+    name: str | NameDependency,
+    client: redis.asyncio.Redis | None,
+    state_key: str,
+    hold: Callable[[Any, str], AbstractAsyncContextManager[T]],
+) -> Callable[..., AsyncIterator[T]]:
+    """The dependency holding `hold(client, name)` around each request."""
     if client is not None:
         ensure_async_client(client)  # TypeError, naming what is accepted
     if not isinstance(state_key, str) or not state_key.isidentifier():
@@ -72,17 +114,19 @@ def request_lock(
     else:
         raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
 
-    async def hold_lock(
+    async def holding(
         request: Request, lock_name: Annotated[str, Depends(name_dependency)]
-    ) -> AsyncIterator[HeldLock]:
+    ) -> AsyncIterator[T]:
         redis_client = client if client is not None else _client_of(request, state_key)
         try:
-            async with policy.hold(redis_client, lock_name) as held:
+            async with hold(redis_client, lock_name) as held:
                 yield held
         except Refusal as refusal:
-            raise HTTPException(refusal.status, detail=refusal.body) from refusal
+            raise HTTPException(
+                refusal.status, detail=refusal.body, headers=refusal.headers
+            ) from refusal
 
-    return hold_lock
+    return holding
 
 
 def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]]:

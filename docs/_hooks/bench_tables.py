@@ -617,6 +617,36 @@ def _default_mutex(data: dict[str, Any]) -> str:
     return "\n\n".join(tables)
 
 
+def _ratelimit(data: dict[str, Any]) -> str:
+    settings = data["settings"]
+    rows = [
+        (row["label"], row["unavailable"], "", "", "", "", "", "")
+        if "unavailable" in row
+        else (
+            row["label"],
+            _num(row["server_us_per_permit"], 1),
+            _num(row["commands_per_permit"], 1),
+            _num(row["client_us_per_permit"]),
+            _num(row["most_in_1s"]),
+            _num(row["most_in_100ms"]),
+            _num(row["rate_reached"], 1),
+            _num(row["commands_while_waiting"]),
+        )
+        for row in data["rows"]
+    ]
+    header = (
+        "library",
+        "server µs / permit",
+        "commands / permit",
+        "client CPU µs / permit",
+        f"most in any 1 s (limit {settings['bound_rate']}/s)",
+        "most in any 100 ms",
+        "grants / s",
+        "commands while waiting ~1 s",
+    )
+    return _machine(data) + "\n\n" + _table(header, rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "default_mutex": _default_mutex,
     "expiry": _expiry,
@@ -630,6 +660,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "mutex": _mutex,
     "primitives": _primitives,
     "registry": _registry,
+    "ratelimit": _ratelimit,
     "cluster": _cluster,
     "telemetry": _telemetry,
     "autopipe": _autopipe,

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-trace", action="store_true", help="print the whole trace")
     options = parser.parse_args(argv)
 
-    from . import _scenarios
+    from . import _ratelimit, _scenarios  # noqa: F401 (_ratelimit registers its scenario)
     from ._workload import run
 
     if options.list:

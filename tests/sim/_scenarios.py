@@ -5,6 +5,7 @@ reproduces one of issue 24's five bugs on the code before its fix (`python -m te
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -429,3 +430,78 @@ async def cohort_release_bound(scene: Scene) -> None:
 
     scene.start(p, holder(), "P1")
     await asyncio.sleep(10)
+
+
+@scenario
+async def loop_ends_after_cancelling_waiters(scene: Scene) -> None:
+    """Issue 34: a process cancels its queued waiters and returns from `main`, and its event
+    loop ends there, as `asyncio.run()` ends it: every task left is cancelled, a clean-up
+    created in that very step before its first step, then the loop's end runs. Each
+    withdrawal must still reach the server, with auto-pipelining on and off: the lock goes
+    to the next live waiter when its holder releases, not to a dead token for a ttl."""
+    h, o = scene.proc("H"), scene.proc("O")
+    ending = [scene.proc("E1"), scene.proc("E2", autopipe=False)]
+    clients = scene.world.clients
+    ttl = 10.0
+    holder = RedisMutex(clients[h], "m", ttl=ttl)
+    held: list[Hold | None] = []
+
+    async def hold() -> None:
+        held.append(await scene.acquire(h, holder, "H", timeout=5))
+
+    await scene.start(h, hold(), "H")
+    for proc in ending:
+        lock = RedisMutex(clients[proc], "m", ttl=ttl)
+        waiters = [
+            scene.start(proc, scene.acquire(proc, lock, f"{proc.name}-{i}"), f"w{i}")
+            for i in range(2)
+        ]
+        await asyncio.sleep(1.0)  # queued
+
+        async def main(waiters: list[asyncio.Task[Any]] = waiters) -> None:
+            for waiter in waiters:
+                waiter.cancel()  # and return at once: the loop ends
+
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        last = scene.start(proc, main(), "main")
+        # Run in the step after main's last, as asyncio.run's own stop is (main's callback).
+        last.add_done_callback(functools.partial(_end_loop, scene, proc, ended))
+        await ended
+    later: list[float] = []
+
+    async def other() -> None:
+        lock = RedisMutex(clients[o], "m", ttl=ttl)
+        got = await scene.acquire(o, lock, "O", timeout=30)
+        later.append(scene.at())
+        await scene.release(o, lock, got, "O")
+
+    scene.start(o, other(), "O")
+    await asyncio.sleep(1.0)
+    released = scene.at()
+    await scene.release(h, holder, held[0], "H")
+    await asyncio.sleep(ttl + 2)
+    if not later or later[0] - released > 1.0:
+        waited = f"{later[0] - released:.2f} s" if later else "never"
+        scene.world.violate(f"the waiter behind the ended processes got the lock after {waited}")
+
+
+def _end_loop(scene: Scene, proc: Proc, ended: asyncio.Future[None], _: object) -> None:
+    """What `asyncio.run()` does once `main` returned, for the tasks of `proc` only: cancel
+    every task it finds (one created in main's last step, before its first step), wait for
+    them, then close the async generators (`shutdown_asyncgens`: the engine's loop end)."""
+    from ._loop import proc_of_task
+
+    loop = scene.loop
+    tasks = [t for t in asyncio.all_tasks(loop) if proc_of_task(t) is proc and not t.done()]
+    for task in tasks:
+        task.cancel()
+
+    async def finish() -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for context in list(getattr(scene.world.clients[proc], "_aiolocks_contexts", {}).values()):
+            watcher = context._loop_end
+            if watcher is not None:
+                await watcher.aclose()
+        ended.set_result(None)
+
+    scene.start(proc, finish(), "loop end")

@@ -1,0 +1,65 @@
+-- Shared by the rate limiter's scripts (GCRA, the generic cell rate algorithm).
+--
+-- One string key per name holds the whole state, written as six fields separated by spaces:
+--   "<tat> <seq> <interval> <burst> <rate> <per>"
+-- tat       the theoretical arrival time: server microseconds, an integer; a permit of cost
+--           n is granted at max(tat, now) + n * interval - burst * interval
+-- seq       counts the reservations (a cancelled wait gives its slot back only if the state
+--           is still the one its reservation wrote: tat and seq both)
+-- interval  microseconds per permit, an integer (ceil(per * 1e6 / rate): never faster)
+-- burst     permits granted at once at most
+-- rate per  as the first user gave them (for inspect() and the mismatch error)
+-- The key expires IDLE_MS after tat: past tat the state is the same as no state at all.
+--
+-- These scripts are loaded without the prelude (no queue, no lease: a call runs none of its
+-- definitions), so the few helpers they need are here.
+
+local IDLE_MS = 1000
+
+-- A raised error reply: a table from Redis 7.0 (0x070000) and every Valkey; a string before,
+-- which Redis 6.2 prefixes with the script's name (as the prelude's fail()).
+local function fail(message)
+  if (redis.REDIS_VERSION_NUM or 0) >= 458752 then
+    error({err = message})
+  end
+  error(message)
+end
+
+-- An integer as its decimal digits (tostring keeps 14 significant digits; a tat has 16).
+local function int_str(n)
+  return string.format('%.0f', n)
+end
+
+-- The server's clock in microseconds, read once per call.
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- The parsed state of KEYS[1], or nil when there is none; fails, naming the key, when the
+-- key holds something aiolocks did not write (another type, or a string of another shape).
+local function read_state()
+  local raw = redis.pcall('GET', KEYS[1])
+  if type(raw) == 'table' and raw['err'] then
+    local got = redis.call('TYPE', KEYS[1])['ok']
+    fail('WRONGTYPE aiolocks: ' .. KEYS[1] .. ' holds a ' .. got .. ', not a string')
+  end
+  if not raw then
+    return nil
+  end
+  local tat, seq, interval, burst, rate, per =
+    string.match(raw, '^(%d+) (%d+) (%d+) (%d+) (%S+) (%S+)$')
+  if not tat then
+    fail('WRONGTYPE aiolocks: ' .. KEYS[1] .. ' holds a string that is not a rate limiter state')
+  end
+  return {tat = tat, seq = seq, interval = interval, burst = burst, rate = rate, per = per}
+end
+
+-- Write the state with tat `tat` (a number) and seq `seq`; it expires IDLE_MS after tat.
+local function write_state(tat, seq, interval, burst, rate, per, now)
+  local text = int_str(tat)
+  local state = table.concat({text, int_str(seq), interval, burst, rate, per}, ' ')
+  local ms = math.ceil(math.max(tat - now, 0) / 1000) + IDLE_MS
+  redis.call('SET', KEYS[1], state, 'PX', int_str(ms))
+  return text
+end

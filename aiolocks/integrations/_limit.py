@@ -1,0 +1,93 @@
+"""What the web integrations share for rate limits: the policy, and one `hold()`.
+
+A request takes its permits before the handler runs (waiting for them up to `timeout`);
+when it cannot, it is refused with 429, a `Retry-After` header (seconds until the slot it
+asked for, rounded up) and the JSON body the lock refusals use. A permit is a slot in
+time: nothing is released after the handler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypedDict
+
+from .._base._clients import ensure_async_client
+from .._base._errors import AccessDenied, ServerUnavailable
+from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from .._engine._settings import validate_timeout
+from ..ratelimit import RedisRateLimiter, validate_cost, validate_settings
+from ._hold import Refusal, status_code
+
+__all__ = ["LimitOptions", "LimitPolicy", "Permit"]
+
+
+@dataclass(frozen=True, slots=True)
+class Permit:
+    """The permits a request was granted."""
+
+    name: str
+    cost: int
+    limiter: RedisRateLimiter
+
+
+class LimitOptions(TypedDict, total=False):
+    """The keyword options every rate-limit integration takes (the fields of `LimitPolicy`
+    but `rate`)."""
+
+    per: float
+    burst: int | None
+    cost: int
+    timeout: float | None
+    prefix: str
+    busy_status: int
+
+
+@dataclass(frozen=True, slots=True)
+class LimitPolicy:
+    """How a request takes its permits; validated when the dependency/decorator is made."""
+
+    rate: float
+    per: float = 1.0
+    burst: int | None = None
+    cost: int = 1  # permits each request takes
+    timeout: float | None = 0.0  # 0: refuse at once; t: wait up to t s for the slot
+    prefix: str = DEFAULT_PREFIX
+    busy_status: int = 429
+
+    def __post_init__(self) -> None:
+        # Fail when the app is built, not on its first request.
+        _, _, burst, _ = validate_settings(self.rate, self.per, self.burst)
+        validate_cost(self.cost, burst)
+        validate_timeout(self.timeout)
+        validate_prefix(self.prefix)
+        status_code(self.busy_status, "busy_status", 400)
+
+    @asynccontextmanager
+    async def hold(self, client: object, name: str) -> AsyncIterator[Permit]:
+        """Take the permits of `name` (waiting up to `timeout`), then run the body; raise
+        `Refusal` if they cannot be had in time."""
+        client = ensure_async_client(client)
+        try:
+            validate_name(name, "rate limit name")
+        except ValueError as exc:
+            raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
+        limiter = RedisRateLimiter(
+            client, name, rate=self.rate, per=self.per, burst=self.burst, prefix=self.prefix
+        )
+        try:
+            wait = await limiter._acquire(True, self.timeout, self.cost)
+        except (ServerUnavailable, AccessDenied) as exc:
+            raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
+        if wait is not None:
+            retry_after = max(1, math.ceil(wait))
+            waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
+            message = (
+                f"{name!r} allows {self.rate:g} requests per {self.per:g} s; "
+                f"no slot free{waited}: the next is in {wait:.3f} s"
+            )
+            headers = {"Retry-After": str(retry_after)}
+            raise Refusal(self.busy_status, "rate_limited", name, message, headers)
+        yield Permit(name, self.cost, limiter)

@@ -1,0 +1,384 @@
+"""`RedisRateLimiter`: at most `rate` permits per `per` seconds across every process (GCRA).
+
+One string key per name holds the theoretical arrival time (the generic cell rate
+algorithm), so a call costs one script call whatever the traffic, and the server's clock
+decides. A caller that must wait reserves its slot in that call and sleeps until it: no
+command while waiting, and slots are handed out in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any, Self, final
+
+from ._base import _telemetry
+from ._base._clients import AnyRedis, ensure_async_client
+from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
+from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
+from ._engine._context import ClientContext, context_for
+from ._engine._settings import validate_timeout
+from ._scripts import load
+
+__all__ = [
+    "RateLimiterInfo",
+    "RateLimiterStatistics",
+    "RedisRateLimiter",
+    "validate_cost",
+    "validate_settings",
+]
+
+_ACQUIRE = load("ratelimit_acquire", "ratelimit", prelude=False)
+_GIVE_BACK = load("ratelimit_give_back", "ratelimit", prelude=False)
+_INSPECT = load("ratelimit_inspect", "ratelimit", prelude=False)
+
+MAX_BURST = 2**31 - 1
+# The scripts count whole microseconds per permit.
+MAX_RATE = 1_000_000
+# The longest a burst may span (burst x interval), in microseconds: the scripts' integer
+# arithmetic on server microseconds (about 1.8e15) stays exact below 2^53.
+_MAX_SPAN_US = 2**50
+# How long a give-back waits for the reservation's reply it needs, at most.
+_GIVE_BACK_BOUND = 5.0
+# Give-backs left to finish in the background (a reference, so they are not collected).
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimiterStatistics:
+    """A cheap local snapshot of one `RedisRateLimiter` instance (no Redis call)."""
+
+    name: str
+    rate: float
+    per: float
+    burst: int
+    acquisitions: int  # acquire() calls granted (cumulative)
+    permits: int  # permits those calls were granted (their costs added up)
+    refusals: int  # tries refused at once (blocking=False, or timeout=0)
+    timeouts: int  # acquire(timeout=t) calls whose slot was later than t
+    waiting: int  # calls sleeping until their slot now
+    given_back: int  # waits cancelled before their slot whose slot was given back
+    slots_lost: int  # waits cancelled whose slot could not be given back (unused)
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimiterInfo:
+    """What the server says about a rate limiter (from `RedisRateLimiter.inspect()`)."""
+
+    name: str
+    rate: float | None  # the stored settings (None: never used, or idle: expired)
+    per: float | None
+    burst: int | None
+    available: int  # permits that could be granted at once right now
+    next_free_ms: int  # until a permit of cost 1 could be granted (0: now)
+    reserved_ms: int  # until every reservation made is past (0: idle)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecView:
+    """What the telemetry hooks read of an instance (as of a lock's `Spec`)."""
+
+    renew_keys: tuple[bytes, ...]
+    counters: _telemetry.Counters
+
+
+def _positive(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _count(value: object, what: str, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not 1 <= value <= most:
+        raise ValueError(f"{what} must be in 1..{most}, got {value!r}")
+    return value
+
+
+def validate_settings(rate: object, per: object, burst: object) -> tuple[float, float, int, int]:
+    """(rate, per, burst, microseconds per permit) if they can be a limiter's settings;
+    `burst` None is `rate` (at least 1). Raises `TypeError`/`ValueError` naming the
+    argument otherwise."""
+    rate = _positive(rate, "rate")
+    per = _positive(per, "per")
+    if rate / per > MAX_RATE:
+        raise ValueError(
+            f"rate / per must be at most {MAX_RATE:,} per second (one permit per µs), got "
+            f"{rate:g} / {per:g}"
+        )
+    if burst is None:
+        burst = max(1, min(MAX_BURST, math.floor(rate)))
+    burst = _count(burst, "burst", MAX_BURST)
+    # Microseconds per permit, rounded up: never faster than asked.
+    interval = math.ceil(per * 1e6 / rate)
+    if interval * burst > _MAX_SPAN_US:
+        raise ValueError(
+            f"per / rate x burst must be at most {_MAX_SPAN_US / 1e6:.0f} s, got "
+            f"{per:g} / {rate:g} x {burst}"
+        )
+    return rate, per, burst, interval
+
+
+def validate_cost(cost: object, burst: int) -> int:
+    """`cost` if it is a number of permits one call may take (1..burst); raises if not."""
+    return _count(cost, "cost", burst)
+
+
+@final
+class RedisRateLimiter:
+    """At most `rate` permits per `per` seconds on average, across every process using the
+    name; at most `burst` (default: `rate`, at least 1) at once.
+
+    The exact guarantee: over any interval of length t, the permits granted number at most
+    `burst + rate * t / per`, counted across every process and client using the name with
+    the same settings, on the server's clock; a granted caller never starts before its slot.
+
+    - `acquire()` reserves the earliest slot in one script call and sleeps until it: no
+      command while waiting; callers get their slots in the order their calls reached the
+      server. A try that cannot be granted (`blocking=False`, or a slot later than
+      `timeout`) reserves nothing.
+    - A wait cancelled before its slot gives the slot back when no later reservation was
+      made since; otherwise the slot is lost (unused): the limit is never exceeded.
+    - The settings are stored with the name: using it with another `rate / per` or `burst`
+      raises `LimitMismatch` (nothing changes) until the stored state expires, one second
+      after the last reservation's slot.
+    - Permits are not released: a permit is a slot in time, not a holding.
+    """
+
+    __slots__ = (
+        "_burst",
+        "_client",
+        "_cost_text",
+        "_interval",
+        "_key",
+        "_name",
+        "_per",
+        "_rate",
+        "_settings",
+        "_spec",
+        "_stats",
+        "_timeout",
+    )
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        name: str,
+        *,
+        rate: float,
+        per: float = 1.0,
+        burst: int | None = None,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        self._client = ensure_async_client(client)
+        self._name = validate_name(name)
+        self._rate, self._per, self._burst, interval = validate_settings(rate, per, burst)
+        self._interval = interval
+        self._timeout = validate_timeout(timeout)
+        self._key = KeySpace(validate_prefix(prefix), "ratelimit", self._name).key("state")
+        self._settings = (str(interval), str(self._burst))
+        self._spec = _SpecView((self._key,), _telemetry.Counters())
+        # permits, refusals, waiting, given_back, slots_lost
+        self._stats = [0, 0, 0, 0, 0]
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+    @property
+    def per(self) -> float:
+        return self._per
+
+    @property
+    def burst(self) -> int:
+        return self._burst
+
+    def __repr__(self) -> str:
+        return (
+            f"<RedisRateLimiter {self._name!r} rate={self._rate:g} per={self._per:g} "
+            f"burst={self._burst}>"
+        )
+
+    def _current(self) -> None:
+        """No holding: a permit is a slot in time (for the telemetry hooks)."""
+        return None
+
+    # -- acquire -------------------------------------------------------------------------
+
+    async def acquire(
+        self, blocking: bool = True, timeout: float | None = None, *, cost: int = 1
+    ) -> bool:
+        """Wait for `cost` permits; True once granted, False when not granted.
+
+        `blocking=False` (or `timeout=0`) is one try: False at once, reserving nothing,
+        when the permits are not free now. With `timeout`, False at once (reserving
+        nothing) when the earliest slot is later than `timeout` seconds from now; otherwise
+        the slot is reserved and the call sleeps until it. A cancellation while sleeping
+        gives the slot back when no later reservation was made since.
+        """
+        return await self._acquire(blocking, timeout, cost) is None
+
+    async def _acquire(self, blocking: bool, timeout: float | None, cost: int) -> float | None:
+        """`acquire()`, observed: None when granted, else seconds until the slot asked for
+        (what an HTTP `Retry-After` says)."""
+        timeout = validate_timeout(timeout)
+        if not blocking and timeout is not None:
+            raise ValueError("a timeout cannot be given with blocking=False")
+        validate_cost(cost, self._burst)
+        if not blocking:
+            timeout = 0.0
+        refused: list[float] = []
+
+        async def call() -> bool:
+            wait = await self._reserve(timeout, cost)
+            if wait is not None:
+                refused.append(wait)
+            return wait is None
+
+        try:
+            await _telemetry.observe_call(self, blocking, timeout, call)
+        finally:
+            if refused and timeout == 0:
+                self._stats[1] += 1
+        return refused[0] if refused else None
+
+    async def _reserve(self, timeout: float | None, cost: int) -> float | None:
+        """One script call; then, if reserved, sleep until the slot."""
+        context = context_for(self._client)
+        max_wait = -1 if timeout is None else math.floor(timeout * 1e6)
+        args = (*self._settings, cost, max_wait, repr(self._rate), repr(self._per))
+        loop = asyncio.get_running_loop()
+        # The call runs in a task of its own: a cancellation meanwhile must not lose the
+        # reply, which the give-back needs.
+        in_flight = asyncio.ensure_future(self._call(context, args))
+        try:
+            reply = await asyncio.shield(in_flight)
+        except asyncio.CancelledError:
+            self._give_back(context, in_flight, cost)
+            raise
+        # The slot is `delay` after the server ran the script, which was before its reply
+        # came: counted from the reply, the sleep never ends before the slot on the server.
+        replied = loop.time()
+        status = int(reply[0])
+        if status == -2:
+            raise self._mismatch(reply)
+        delay = int(reply[1])
+        if status == 0:
+            return delay / 1e6
+        if delay > 0:
+            self._stats[2] += 1
+            try:
+                await asyncio.sleep(replied + delay / 1e6 - loop.time())
+            except asyncio.CancelledError:
+                self._give_back(context, in_flight, cost)
+                raise
+            finally:
+                self._stats[2] -= 1
+        self._stats[0] += cost
+        return None
+
+    async def _call(self, context: ClientContext, args: tuple[Any, ...]) -> list[Any]:
+        with map_redis_errors(self._name):
+            # Not retried: a reservation run twice would take two slots (one lost).
+            reply: list[Any] = await context.run(_ACQUIRE, (self._key,), args, retry=False)
+        return reply
+
+    def _give_back(
+        self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
+    ) -> None:
+        """In the background: once the reservation's reply is in, give its slot back."""
+        task = asyncio.ensure_future(self._giving_back(context, in_flight, cost))
+        for running in (_BACKGROUND, context.cleanups):
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+    async def _giving_back(
+        self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
+    ) -> None:
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(in_flight), _GIVE_BACK_BOUND)
+        except Exception:
+            return  # no reply: whatever it reserved is lost, never exceeded
+        if int(reply[0]) != 1:
+            return  # refused: nothing was reserved
+        tat, seq = reply[2], reply[3]
+        try:
+            with map_redis_errors(self._name):
+                # Not retried: run twice, a compare-and-set could match a later reservation.
+                given = await context.run(_GIVE_BACK, (self._key,), (tat, seq, cost), retry=False)
+        except Exception:
+            given = 0
+        self._stats[3 if int(given) == 1 else 4] += 1
+
+    def _mismatch(self, reply: list[Any]) -> LimitMismatch:
+        rate, per, burst = (_text(value) for value in reply[1:4])
+        return LimitMismatch(
+            self._name,
+            f"stored with rate={rate} per={per} burst={burst}, used here with "
+            f"rate={self._rate!r} per={self._per!r} burst={self._burst}; every user of a "
+            "name must give the same settings (the stored ones expire once the name is idle)",
+        )
+
+    # -- async with ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if not await self.acquire(timeout=self._timeout):
+            assert self._timeout is not None
+            raise LockTimeout(self._name, self._timeout, "the next free slot is later")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None  # nothing to release: the permit was a slot in time
+
+    # -- reading -------------------------------------------------------------------------
+
+    def statistics(self) -> RateLimiterStatistics:
+        """A cheap local snapshot of this instance (no Redis call)."""
+        counters = self._spec.counters
+        permits, refusals, waiting, given_back, lost = self._stats
+        return RateLimiterStatistics(
+            name=self._name,
+            rate=self._rate,
+            per=self._per,
+            burst=self._burst,
+            acquisitions=counters.acquisitions,
+            permits=permits,
+            refusals=refusals,
+            timeouts=counters.timeouts,
+            waiting=waiting,
+            given_back=given_back,
+            slots_lost=lost,
+        )
+
+    async def inspect(self) -> RateLimiterInfo:
+        """The server's view: the stored settings, permits free now, the next free slot."""
+        with map_redis_errors(self._name):
+            reply: list[Any] = await context_for(self._client).run(_INSPECT, (self._key,), ())
+        now = int(reply[0])
+        if len(reply) == 1:
+            return RateLimiterInfo(self._name, None, None, None, self._burst, 0, 0)
+        tat, interval, burst = int(reply[1]), int(reply[2]), int(reply[3])
+        ahead = max(tat - now, 0)  # reserved time not yet past
+        room = burst * interval - ahead  # what a cost-n call may add without waiting
+        return RateLimiterInfo(
+            name=self._name,
+            rate=float(_text(reply[4])),
+            per=float(_text(reply[5])),
+            burst=burst,
+            available=max(0, room // interval),
+            next_free_ms=math.ceil(max(0, interval - room) / 1000),
+            reserved_ms=math.ceil(ahead / 1000),
+        )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,293 @@
+"""Every primitive on every client configuration teams use, on one client library release:
+run as a process of its own by tests/test_client_configs.py (one per release of the
+compatibility matrix), or imported by it for the installed release.
+
+In each configuration two clients made with it (a holder and a waiter) run the mutex, the
+semaphore, the RW lock and the election side by side: each waits (woken by the release's
+message: the lease is 60 s, so a wake left to the timer fails the bound), and the server's
+`INFO commandstats` is read across a window longer than the client's socket_timeout and
+health-check interval, in which the waiting must send no command; a wait on a fresh name
+after that idle window times out, is cancelled while queued and is woken; a lease is lost
+(LockLost out of `async with`); and the user's own commands on the same clients still run.
+Then a program that cancels a queued waiter and returns from `main` must leave no queue
+entry behind (auto-pipelining on and off). Prints one JSON line; exits 0 even when a
+configuration fails (the test reads which).
+
+    python tests/_client_configs_smoke.py URL UNIX_SOCKET_PATH [--client valkey]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, suppress
+from typing import Any
+
+from _compat_smoke import _sides
+
+from aiolocks import LockLost, LockTimeout, RedisMutex
+from aiolocks.testing import expire_lease
+
+TTL = 60.0  # renewals and heartbeats every 20 s: none falls into a window
+WAKE_BOUND = 3.0  # a grant message arrives in milliseconds; the timer fallback is 60 s
+QUEUED_BOUND = 10.0  # every waiter queued by then, on a loaded machine
+MIN_WINDOW = 2.5  # longer than socket_timeout=1 and health_check_interval=1
+KINDS = ("mutex", "semaphore", "rwlock", "election")
+
+
+def configurations(library: str, url: str, unix: str) -> dict[str, Callable[[], Any]]:
+    """Each configuration's client factory (a fresh client per call)."""
+    lib = importlib.import_module(f"{library}.asyncio")
+    retry_module = importlib.import_module(f"{library}.asyncio.retry")
+    backoff = importlib.import_module(f"{library}.backoff")
+    cls: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis")
+
+    def blocking() -> Any:
+        pool = lib.BlockingConnectionPool.from_url(url, max_connections=2, timeout=5)
+        return cls(connection_pool=pool)
+
+    return {
+        "default": lambda: cls.from_url(url),
+        "decode_responses": lambda: cls.from_url(url, decode_responses=True),
+        "protocol=3": lambda: cls.from_url(url, protocol=3),
+        "unix socket": lambda: cls.from_url(f"unix://{unix}"),
+        "BlockingConnectionPool(2)": blocking,
+        "single_connection_client": lambda: cls.from_url(url, single_connection_client=True),
+        "health_check_interval=1": lambda: cls.from_url(url, health_check_interval=1),
+        "socket_timeout=1": lambda: cls.from_url(url, socket_timeout=1),
+        "Retry": lambda: cls.from_url(
+            url, retry=retry_module.Retry(backoff.ExponentialBackoff(cap=0.5), 3)
+        ),
+        "max_connections=1": lambda: cls.from_url(url, max_connections=1),
+        "max_connections=2": lambda: cls.from_url(url, max_connections=2),
+        "max_connections=3": lambda: cls.from_url(url, max_connections=3),
+        "client_name": lambda: cls.from_url(url, client_name="aiolocks-matrix"),
+    }
+
+
+def _read_timeout(client: Any) -> float | None:
+    """The socket_timeout the client's connections read with (valkey-py's default is 5 s)."""
+    pool = client.connection_pool
+    timeout: float | None = pool.connection_class(**pool.connection_kwargs).socket_timeout
+    return timeout
+
+
+async def _commands(admin: Any) -> int:
+    """Commands the server has run so far, but INFO (this count's own)."""
+    stats = await admin.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+
+
+class _Queued:
+    """Counts the waiters queued, from the keyspace events on queue keys (no polling)."""
+
+    def __init__(self, admin: Any, prefix: str) -> None:
+        self.pubsub = admin.pubsub()
+        self.pattern = f"__keyspace@0__:aiolocks:*{{{prefix}*:queue"
+        self.keys: set[Any] = set()
+
+    async def __aenter__(self) -> _Queued:
+        await self.pubsub.psubscribe(self.pattern)
+        return self
+
+    async def until(self, count: int) -> None:
+        async with asyncio.timeout(QUEUED_BOUND):
+            while len(self.keys) < count:
+                message = await self.pubsub.get_message(timeout=None)
+                if message is not None and message["type"] == "pmessage":
+                    self.keys.add(message["channel"])
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pubsub.aclose()
+
+
+async def _enter(side: AbstractAsyncContextManager[Any], entered: asyncio.Event) -> float:
+    async with side:
+        entered.set()
+        return time.monotonic()
+
+
+async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[str, Any]:
+    a, b = make(), make()
+    report: dict[str, Any] = {"ok": False, "commands_while_waiting": None}
+    started = time.monotonic()
+    try:
+        window = max(MIN_WINDOW, (_read_timeout(b) or 0.0) + 1.0)
+        report["window"] = window
+        first = {kind: _sides(kind, f"{tag}-{kind}-1", TTL) for kind in KINDS}
+        fresh = {kind: _sides(kind, f"{tag}-{kind}-2", TTL) for kind in KINDS}
+        holders = {kind: first[kind][0](a) for kind in KINDS}
+        for holder in holders.values():
+            await holder.__aenter__()
+        # 1. Every primitive waits on b; once all are queued, the window: no command.
+        entered = {kind: asyncio.Event() for kind in KINDS}
+        async with _Queued(admin, f"{tag}-") as queued:
+            waiters = {
+                kind: asyncio.create_task(_enter(first[kind][1](b), entered[kind]))
+                for kind in KINDS
+            }
+            await queued.until(len(KINDS))
+        await asyncio.sleep(0.2)  # the queueing calls' replies read (nothing is sent after)
+        before = await _commands(admin)
+        await asyncio.sleep(window)  # the measured window, not a wait for anything
+        report["commands_while_waiting"] = await _commands(admin) - before
+        assert not any(event.is_set() for event in entered.values()), "entered while held"
+        # 2. A fresh name, subscribed to after the idle window: times out.
+        fresh_holders = {kind: fresh[kind][0](a) for kind in KINDS}
+        for holder in fresh_holders.values():
+            await holder.__aenter__()
+
+        async def times_out(kind: str) -> None:
+            t0 = time.monotonic()
+            try:
+                async with asyncio.timeout(0.5), fresh[kind][1](b):
+                    raise AssertionError(f"{kind}: entered while held")
+            except (LockTimeout, TimeoutError):
+                pass
+            assert time.monotonic() - t0 < 2.5, f"{kind}: the timeout overran"
+
+        await asyncio.gather(*(times_out(kind) for kind in KINDS))
+        # 3. Cancelled while queued; then a waiter queued behind is woken by the release.
+        cancelled = [
+            asyncio.create_task(_enter(fresh[kind][1](b), asyncio.Event())) for kind in KINDS
+        ]
+        await asyncio.sleep(0.3)
+        for task in cancelled:
+            task.cancel()
+        for task in cancelled:
+            with suppress(asyncio.CancelledError):
+                await task
+        fresh_entered = {kind: asyncio.Event() for kind in KINDS}
+        fresh_waiters = {
+            kind: asyncio.create_task(_enter(fresh[kind][1](b), fresh_entered[kind]))
+            for kind in KINDS
+        }
+        await asyncio.sleep(0.3)
+        # 4. The releases wake every waiter, by message.
+        for kind in KINDS:
+            released = time.monotonic()
+            await holders[kind].__aexit__(None, None, None)
+            woke = await asyncio.wait_for(waiters[kind], WAKE_BOUND)
+            assert woke - released < WAKE_BOUND, f"{kind}: woken after {woke - released:.2f} s"
+            released = time.monotonic()
+            await fresh_holders[kind].__aexit__(None, None, None)
+            woke = await asyncio.wait_for(fresh_waiters[kind], WAKE_BOUND)
+            assert woke - released < WAKE_BOUND, f"{kind} (fresh name): woken late"
+        # 5. A lost lease: LockLost out of `async with`.
+        for kind in KINDS:
+            side = _sides(kind, f"{tag}-{kind}-3", TTL)[0](a)
+            try:
+                async with side as held:
+                    target: Any = held if kind == "election" else side
+                    await expire_lease(target)
+                    await asyncio.sleep(5)
+            except LockLost:
+                pass
+            else:
+                raise AssertionError(f"{kind}: no LockLost")
+        # 6. The user's own commands on the same clients.
+        await a.set(f"{tag}-user", "1")
+        assert await b.get(f"{tag}-user") in (b"1", "1")
+        report["ok"] = True
+    except BaseException as exc:
+        report["error"] = "".join(traceback.format_exception_only(exc)).strip()[-600:]
+        report["trace"] = traceback.format_exc()[-3000:]
+    finally:
+        for client in (a, b):
+            for context in list(getattr(client, "_aiolocks_contexts", {}).values()):
+                with suppress(Exception):
+                    await asyncio.wait_for(context.aclose(), 10)
+            with suppress(Exception):
+                await client.aclose()
+    report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
+# A program that queues a waiter, cancels it and returns from main at once.
+_EXIT_PROGRAM = """
+import asyncio, importlib, sys
+from aiolocks import RedisMutex
+library, url, name = sys.argv[1:4]
+lib = importlib.import_module(library + ".asyncio")
+cls = getattr(lib, "Valkey" if library == "valkey" else "Redis")
+
+async def main():
+    client, admin = cls.from_url(url), cls.from_url(url)
+    pubsub = admin.pubsub()
+    await pubsub.psubscribe("__keyspace@0__:aiolocks:*{" + name + "}:queue")
+    task = asyncio.create_task(RedisMutex(client, name).acquire())
+    async with asyncio.timeout(10):
+        while (await pubsub.get_message(timeout=None) or {}).get("type") != "pmessage":
+            pass
+    await pubsub.aclose()
+    await admin.aclose()
+    task.cancel()
+
+asyncio.run(main())
+"""
+
+
+async def _exits(library: str, url: str, make: Callable[[], Any]) -> dict[str, Any]:
+    """The clean exit after a cancellation, auto-pipelining on and off."""
+    report: dict[str, Any] = {}
+    a = make()
+    try:
+        for autopipe in ("1", "0"):
+            name = f"exit-{autopipe}-{os.getpid()}"
+            holder = RedisMutex(a, name, ttl=TTL)
+            await holder.acquire()
+            env = {**os.environ, "AIOLOCKS_AUTOPIPELINE": autopipe}
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", _EXIT_PROGRAM, library, url, name],
+                capture_output=True, text=True, timeout=60, env=env,
+            )  # fmt: skip
+            left = (await holder.inspect()).queue_length
+            await holder.release()
+            report[f"autopipe={autopipe}"] = {
+                "ok": done.returncode == 0 and left == 0 and not done.stderr.strip(),
+                "queue_left": left,
+                "stderr": done.stderr[-1500:],
+            }
+    finally:
+        await a.aclose()
+    return report
+
+
+async def run(library: str, url: str, unix: str, only: list[str] | None = None) -> dict[str, Any]:
+    lib = importlib.import_module(f"{library}.asyncio")
+    admin: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis").from_url(url)
+    configs = configurations(library, url, unix)
+    results: dict[str, Any] = {}
+    try:
+        for index, (name, make) in enumerate(configs.items()):
+            if only is None or name in only:
+                results[name] = await _configuration(make, admin, f"cfg{index}")
+        exits = await _exits(library, url, configs["default"]) if only is None else {}
+    finally:
+        await admin.aclose()
+    return {"configs": results, "exits": exits}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("unix")
+    parser.add_argument("--client", choices=("redis", "valkey"), default="redis")
+    parser.add_argument("--only", action="append")
+    args = parser.parse_args()
+    result = asyncio.run(run(args.client, args.url, args.unix, args.only))
+    library = importlib.import_module(args.client)
+    print(json.dumps({"client": f"{args.client} {library.__version__}", **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""`RedisRateLimiter` on real servers: the GCRA bound across processes, waiting without
+commands, arrival order, refusals and cancellations that reserve nothing, settings,
+validation, wrong-type keys, expiry and Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio
+from _cli import cli
+from _cluster import Cluster
+from _servers import arun_workers, command_count
+from _web import ONE_SERVER
+from redis.asyncio.cluster import RedisCluster
+
+from aiolocks import LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
+from aiolocks._engine._context import context_for
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+KEY = b"aiolocks:ratelimit:{api}:state"
+
+
+async def _settled(client: redis.asyncio.Redis) -> None:
+    """Wait (bounded) for the give-backs a cancellation started in the background."""
+    cleanups = list(context_for(client).cleanups)
+    if cleanups:
+        await asyncio.wait_for(asyncio.gather(*cleanups), 5)
+
+
+def _most_in_window(slots: list[int], window_us: int) -> int:
+    """Most slots within any closed window of `window_us` (the worst starts at a slot)."""
+    ordered = sorted(slots)
+    return max(
+        bisect.bisect_right(ordered, start + window_us) - index
+        for index, start in enumerate(ordered)
+    )
+
+
+# -- the contract across processes ---------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_bound_across_four_processes(r: redis.asyncio.Redis, url: str) -> None:
+    """4 processes x 6 tasks hammer one name (rate 100/s, burst 10) for 3 s: in every
+    sliding window of length t, at most burst + rate x t grants (on the server's clock);
+    no grant is used before its slot; at least 90% of the rate is reached."""
+    rate, per, burst, workers, tasks, seconds = 100, 1.0, 10, 4, 6, 3.0
+    results = await arun_workers(
+        str(WORKERS / "ratelimit_user.py"),
+        [[str(arg) for arg in (url, "mp", rate, per, burst, workers, tasks, seconds)]] * workers,
+        timeout=60,
+    )
+    grants: list[list[int]] = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
+        assert len(line) == 1, result.stdout
+        mine = json.loads(line[0].removeprefix("grants "))
+        assert mine, f"worker {index} got no permit"
+        grants += mine
+    slots = [slot for slot, _ in grants]
+    interval_us = round(per * 1e6 / rate)
+    figures = {}
+    for window_us in (0, interval_us // 2, interval_us, 5 * interval_us, 250_000, 1_000_000):
+        most = _most_in_window(slots, window_us)
+        bound = burst + rate * window_us / (per * 1e6)
+        figures[window_us] = (most, bound)
+        assert most <= bound, (window_us, most, bound)
+    early = [(slot, used) for slot, used in grants if used < slot]
+    assert not early, early[:5]
+    span_s = (max(slots) - min(slots)) / 1e6
+    reached = (len(slots) - burst) / span_s
+    assert reached >= 0.9 * rate / per, (reached, span_s, len(slots), figures)
+    # the burst was used at once, and the windows were full: the bound is not loose
+    assert figures[1_000_000][0] >= 0.9 * figures[1_000_000][1], figures
+
+
+# -- one process ----------------------------------------------------------------------------
+
+
+async def test_burst_then_refusals_reserve_nothing(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=10, per=1.0, burst=3)
+    assert [await limiter.acquire(blocking=False) for _ in range(3)] == [True] * 3
+    state = await r.get(KEY)
+    assert not await limiter.acquire(blocking=False)
+    assert not await limiter.acquire(timeout=0)
+    assert not await limiter.acquire(timeout=0.02)  # the next slot is ~100 ms away
+    assert not await limiter.acquire(blocking=False, cost=2)
+    assert await r.get(KEY) == state  # nothing reserved, nothing changed
+    stats = limiter.statistics()
+    assert (stats.acquisitions, stats.permits, stats.refusals, stats.timeouts) == (3, 3, 3, 1)
+    info = await limiter.inspect()
+    assert (info.rate, info.per, info.burst, info.available) == (10.0, 1.0, 3, 0)
+    assert 0 < info.next_free_ms <= 100 and 0 < info.reserved_ms <= 300, info
+
+
+async def test_waiting_sends_no_command(r: redis.asyncio.Redis) -> None:
+    """A caller whose slot is ~1 s away: one script call, then nothing until its slot."""
+    limiter = RedisRateLimiter(r, "api", rate=1, per=1.0, burst=1)
+    assert await limiter.acquire()
+    before = await command_count(r)
+    started = time.monotonic()
+    assert await limiter.acquire()
+    waited = time.monotonic() - started
+    after = await command_count(r)
+    assert waited >= 0.8, waited  # it did wait for its slot (1 s after the first's)
+    # The EVALSHA and the commands its script ran (GET, TIME, SET), and the first INFO.
+    assert after - before == 5, after - before
+
+
+async def test_arrival_order_is_grant_order(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=50, per=1.0, burst=1)
+    order: list[int] = []
+
+    async def user(index: int) -> None:
+        assert await limiter.acquire()
+        order.append(index)
+
+    tasks = []
+    for index in range(15):
+        tasks.append(asyncio.create_task(user(index)))
+        await asyncio.sleep(0)  # each call made (and sent) after the one before
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert order == list(range(15))
+
+
+async def test_cancelled_wait_gives_its_slot_back(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=5, per=1.0, burst=1)
+    assert await limiter.acquire()
+    before = (await r.get(KEY) or b"").split()[0]
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.05)  # reserved (~200 ms away) and sleeping
+    assert limiter.statistics().waiting == 1
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _settled(r)
+    assert (await r.get(KEY) or b"").split()[0] == before  # the same slot is free again
+    assert limiter.statistics().given_back == 1
+
+
+async def test_cancelled_wait_with_a_later_reservation_loses_its_slot(
+    r: redis.asyncio.Redis,
+) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=5, per=1.0, burst=1)
+    assert await limiter.acquire()
+    first = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.05)
+    state = await r.get(KEY)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await _settled(r)
+    assert await r.get(KEY) == state  # the later reservation stands; the slot is lost
+    assert limiter.statistics().slots_lost == 1
+    started = time.monotonic()
+    assert await asyncio.wait_for(second, 2)
+    assert time.monotonic() - started >= 0.2  # still its own slot (400 ms after the first)
+
+
+async def test_async_with_waits_and_times_out(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=4, per=1.0, burst=1, timeout=0.1)
+    async with limiter:
+        pass
+    with pytest.raises(LockTimeout, match=r"not acquired within 0\.1 s"):
+        async with limiter:
+            pass
+
+
+async def test_cost_takes_several_permits(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=10, per=1.0, burst=5)
+    assert await limiter.acquire(blocking=False, cost=4)
+    assert await limiter.acquire(blocking=False)
+    assert not await limiter.acquire(blocking=False)
+    assert limiter.statistics().permits == 5
+
+
+async def test_settings_mismatch_is_refused(r: redis.asyncio.Redis) -> None:
+    assert await RedisRateLimiter(r, "api", rate=10).acquire()
+    state = await r.get(KEY)
+    for other in (
+        RedisRateLimiter(r, "api", rate=20),
+        RedisRateLimiter(r, "api", rate=10, burst=3),
+        RedisRateLimiter(r, "api", rate=10, per=2.0),
+    ):
+        with pytest.raises(LimitMismatch, match=r"stored with rate=10\.0 per=1\.0 burst=10"):
+            await other.acquire()
+    assert await r.get(KEY) == state
+    # the same limit written otherwise is the same limit
+    assert await RedisRateLimiter(r, "api", rate=600, per=60, burst=10).acquire()
+
+
+async def test_key_expires_once_idle(r: redis.asyncio.Redis) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=10, per=1.0, burst=2)
+    assert await limiter.acquire(cost=2)
+    left = await r.pttl(KEY)
+    assert 1000 < left <= 1200, left  # its slots end 200 ms from now, then 1 s of margin
+    await asyncio.sleep(left / 1000 + 0.05)  # one check after the announced expiry
+    assert await r.exists(KEY) == 0
+    info = await limiter.inspect()
+    assert (info.rate, info.burst, info.available, info.next_free_ms) == (None, None, 2, 0)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"rate": 0}, ValueError, "rate must be a finite number > 0"),
+        ({"rate": -1.5}, ValueError, "rate must be a finite number > 0"),
+        ({"rate": float("inf")}, ValueError, "rate must be a finite number > 0"),
+        ({"rate": "10"}, TypeError, "rate must be a number"),
+        ({"rate": True}, TypeError, "rate must be a number"),
+        ({"rate": 10, "per": 0}, ValueError, "per must be a finite number > 0"),
+        ({"rate": 10, "per": -1}, ValueError, "per must be a finite number > 0"),
+        ({"rate": 10, "burst": 0}, ValueError, r"burst must be in 1\.\."),
+        ({"rate": 10, "burst": 2.0}, TypeError, "burst must be an int"),
+        ({"rate": 10, "timeout": -1}, ValueError, "timeout must be >= 0"),
+        ({"rate": 10, "prefix": ""}, ValueError, "prefix must not be empty"),
+        ({"rate": 1e-9, "per": 1e9}, ValueError, "per / rate x burst must be at most"),
+        ({"rate": 2e6}, ValueError, "rate / per must be at most 1,000,000 per second"),
+    ],
+)
+def test_bad_settings_fail_at_construction(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    client = redis.asyncio.Redis(port=1)  # nothing listens: any call would fail otherwise
+    with pytest.raises(error, match=match):
+        RedisRateLimiter(client, "api", **options)
+
+
+def test_bad_name_and_client_fail_at_construction() -> None:
+    client = redis.asyncio.Redis(port=1)
+    with pytest.raises(ValueError, match="must not contain"):
+        RedisRateLimiter(client, "a{b}", rate=1)
+    with pytest.raises(ValueError, match="name must not be empty"):
+        RedisRateLimiter(client, "", rate=1)
+    with pytest.raises(TypeError, match="client must be"):
+        RedisRateLimiter(object(), "api", rate=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        ({"cost": 0}, ValueError, r"cost must be in 1\.\.3"),
+        ({"cost": 4}, ValueError, r"cost must be in 1\.\.3"),
+        ({"cost": 1.0}, TypeError, "cost must be an int"),
+        ({"timeout": -0.5}, ValueError, "timeout must be >= 0"),
+        ({"blocking": False, "timeout": 1}, ValueError, "cannot be given with blocking=False"),
+    ],
+)
+async def test_bad_calls_fail_before_any_redis_call(
+    r: redis.asyncio.Redis, call: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=10, burst=3)
+    before = await command_count(r)
+    with pytest.raises(error, match=match):
+        await limiter.acquire(**call)
+    assert await command_count(r) == before + 1  # only the first INFO
+
+
+@pytest.mark.parametrize("kind", ["hash", "string"])
+async def test_wrong_type_key_fails_and_changes_nothing(r: redis.asyncio.Redis, kind: str) -> None:
+    if kind == "hash":
+        await r.hset(KEY, "field", "value")
+        match = "holds a hash, not a string"
+    else:
+        await r.set(KEY, "not ours")
+        match = "holds a string that is not a rate limiter state"
+    dumped = await r.dump(KEY)
+    limiter = RedisRateLimiter(r, "api", rate=10)
+    with pytest.raises(ServerUnavailable, match=match):
+        await limiter.acquire()
+    with pytest.raises(ServerUnavailable, match=match):
+        await limiter.inspect()
+    assert await r.dump(KEY) == dumped
+
+
+# -- Cluster --------------------------------------------------------------------------------
+
+
+async def test_cluster(cluster: Cluster, cluster_r: RedisCluster) -> None:
+    names = [f"api:{index}" for index in range(6)]  # spread over the nodes' slots
+    limiters = [RedisRateLimiter(cluster_r, name, rate=20, burst=2) for name in names]
+    for limiter in limiters:
+        assert await limiter.acquire(blocking=False)
+        assert await limiter.acquire(blocking=False)
+        assert not await limiter.acquire(blocking=False)
+    started = time.monotonic()
+    assert all(await asyncio.gather(*(limiter.acquire() for limiter in limiters)))
+    assert time.monotonic() - started >= 0.04  # each waited ~50 ms for its slot
+    info = await limiters[0].inspect()
+    assert (info.rate, info.burst) == (20.0, 2)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+@ONE_SERVER
+async def test_cli_inspect_and_list_show_the_next_slot_and_the_settings(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=100, per=60.0, burst=2)
+    assert await limiter.acquire(cost=2)
+    shown = await cli("inspect", "api", "--url", url, "--json")
+    assert shown.code == 0, shown.err
+    view = shown.json()
+    assert view["kind"] == "ratelimit" and view["holders"] == [] and view["queue"] == []
+    summary = view["summary"]
+    assert (summary["rate"], summary["per"], summary["burst"]) == (100.0, 60.0, 2)
+    assert summary["available"] == 0 and 0 < summary["next_free_ms"] <= 600, summary
+    assert view["state"].startswith("next slot in ") and view["state"].endswith("100 per 60 s")
+
+    table = await cli("inspect", "api", "--url", url)
+    assert table.code == 0 and "next free slot" in table.out and "100 per 60 s" in table.out
+
+    listed = await cli("list", "--url", url, "--json")
+    assert [(row["kind"], row["name"]) for row in listed.json()] == [("ratelimit", "api")]
+    assert listed.json()[0]["state"].endswith("100 per 60 s")
+    assert "ratelimit" in (await cli("list", "--url", url)).out
+
+    refused = await cli("release", "api", "--force", "--yes", "--url", url)
+    assert refused.code != 0 and "is not a lock" in refused.err

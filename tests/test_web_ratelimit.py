@@ -1,0 +1,142 @@
+"""The web integrations' rate limits: FastAPI's `request_limit` and aiohttp's
+`rate_limited` / `limit_middleware`, against a real server. A refused request gets 429 with
+`Retry-After` and the JSON body the lock refusals use; with `timeout=` it waits first.
+
+No `from __future__ import annotations` here: the FastAPI endpoints are defined inside the
+tests and FastAPI resolves their annotations at run time.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import httpx
+import pytest
+import redis.asyncio
+from _web import ONE_SERVER
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from asgi_lifespan import LifespanManager
+from fastapi import Depends, FastAPI
+
+from aiolocks import RedisRateLimiter
+from aiolocks.integrations import aiohttp as aiohttp_limits
+from aiolocks.integrations.fastapi import Permit, request_limit
+
+
+@asynccontextmanager
+async def fastapi_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with LifespanManager(app) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as c:
+            yield c
+
+
+def fastapi_app(limit: Any) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/users/{user_id}")
+    async def work(user_id: int, permit: Annotated[Permit, Depends(limit)]) -> dict[str, Any]:
+        return {"user": user_id, "limit": permit.name}
+
+    return app
+
+
+def _check_refusal(status: int, headers: Any, body: dict[str, Any], name: str) -> None:
+    assert status == 429
+    assert body["error"] == "rate_limited" and body["lock"] == name, body
+    assert "per 1 s" in body["message"], body
+    retry_after = int(headers["Retry-After"])
+    assert 1 <= retry_after <= 1, headers  # the next slot is 500 ms away: rounded up to 1
+
+
+@ONE_SERVER
+async def test_fastapi_answers_429_with_retry_after(r: redis.asyncio.Redis) -> None:
+    app = fastapi_app(request_limit("api:{user_id}", rate=2, burst=2, client=r))
+    async with fastapi_client(app) as c:
+        assert [(await c.get("/users/7")).status_code for _ in range(2)] == [200, 200]
+        refused = await c.get("/users/7")
+        _check_refusal(refused.status_code, refused.headers, refused.json()["detail"], "api:7")
+        assert (await c.get("/users/8")).status_code == 200  # another user, another name
+    info = await RedisRateLimiter(r, "api:7", rate=2, burst=2).inspect()
+    assert info.available == 0  # the refusal reserved nothing: the two grants only
+
+
+@ONE_SERVER
+async def test_fastapi_waits_up_to_its_timeout(r: redis.asyncio.Redis, url: str) -> None:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        client = redis.asyncio.Redis.from_url(url)
+        yield {"redis": client}
+        await client.aclose()
+
+    limit = request_limit("api:{user_id}", rate=5, burst=1, timeout=0.5)
+    app = fastapi_app(limit)
+    app.router.lifespan_context = lifespan
+    async with fastapi_client(app) as c:
+        assert (await c.get("/users/1")).status_code == 200
+        started = time.monotonic()
+        assert (await c.get("/users/1")).status_code == 200  # waited ~200 ms for its slot
+        assert time.monotonic() - started >= 0.15
+        # three more at once: 200, 400 and 600 ms away; the last is past the timeout
+        answers = await asyncio.gather(*(c.get("/users/1") for _ in range(3)))
+        codes = sorted(answer.status_code for answer in answers)
+        assert codes == [200, 200, 429], codes
+
+
+def test_fastapi_bad_arguments_fail_when_the_app_is_built() -> None:
+    with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+        request_limit("api", rate=0)
+    with pytest.raises(ValueError, match=r"cost must be in 1\.\.2"):
+        request_limit("api", rate=2, cost=3)
+    with pytest.raises(ValueError, match="busy_status must be an HTTP status"):
+        request_limit("api", rate=2, busy_status=200)
+    with pytest.raises(ValueError, match="lock name template"):
+        request_limit("api:{user}}", rate=2)
+
+
+async def _aiohttp_handler(request: web.Request) -> web.Response:
+    permit = aiohttp_limits.permit(request)
+    return web.json_response({"limit": permit.name, "cost": permit.cost})
+
+
+@ONE_SERVER
+async def test_aiohttp_answers_429_with_retry_after(r: redis.asyncio.Redis) -> None:
+    app = web.Application()
+    app[aiohttp_limits.REDIS] = r
+    decorate = aiohttp_limits.rate_limited("api:{user_id}", rate=2, burst=2)
+    app.router.add_get("/users/{user_id}", decorate(_aiohttp_handler))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        for _ in range(2):
+            granted = await c.get("/users/7")
+            assert granted.status == 200 and (await granted.json())["limit"] == "api:7"
+        refused = await c.get("/users/7")
+        _check_refusal(refused.status, refused.headers, await refused.json(), "api:7")
+
+
+@ONE_SERVER
+async def test_aiohttp_middleware_waits_up_to_its_timeout(r: redis.asyncio.Redis) -> None:
+    def name(request: web.Request) -> str | None:
+        return f"ip:{request.remote}" if request.path.startswith("/api") else None
+
+    middleware = aiohttp_limits.limit_middleware(name, rate=5, burst=1, timeout=0.3, client=r)
+    app = web.Application(middlewares=[middleware])
+    app.router.add_get("/api/x", _aiohttp_handler)
+    app.router.add_get("/health", _free)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        assert (await c.get("/api/x")).status == 200
+        started = time.monotonic()
+        assert (await c.get("/api/x")).status == 200  # waited for its slot
+        assert time.monotonic() - started >= 0.15
+        codes = sorted([(await answer).status for answer in [c.get("/api/x"), c.get("/api/x")]])
+        assert codes == [200, 200]  # one after the other: each within 300 ms
+        both = await asyncio.gather(c.get("/api/x"), c.get("/api/x"))
+        assert sorted(answer.status for answer in both) == [200, 429]
+        health = [(await c.get("/health")).status for _ in range(5)]
+        assert health == [200] * 5  # not limited
+
+
+async def _free(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
