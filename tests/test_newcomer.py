@@ -14,7 +14,13 @@ import redis.asyncio
 from _cli import cli
 
 import aiolocks
-from aiolocks import RedisMultiLock, RedisMutex, RedisReadWriteLock, RedisSemaphore
+from aiolocks import (
+    RedisMultiLock,
+    RedisMutex,
+    RedisRateLimiter,
+    RedisReadWriteLock,
+    RedisSemaphore,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,6 +84,11 @@ async def test_with_without_async_is_a_type_error_that_says_what_to_write(
         with pytest.raises(TypeError, match=expected), lock:  # type: ignore[attr-defined]
             pytest.fail("the body ran")
         assert await lock.locked() is False  # type: ignore[attr-defined]
+    limiter = RedisRateLimiter(fake_r, "paid-api", rate=10, per=1.0)
+    expected = r"^RedisRateLimiter is an async context manager.*`async with`"
+    with pytest.raises(TypeError, match=expected), limiter:  # type: ignore[attr-defined]
+        pytest.fail("the body ran")
+    assert await fake_r.keys("*") == []  # no permit taken
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Self, TypeVar
+from typing import ParamSpec, Self, TypeVar
 
 from .._base import _spec, _telemetry
 from .._base._clients import AnyRedis
@@ -28,6 +28,7 @@ from .._base._errors import (
     map_redis_errors,
 )
 from .._base._handle import LockHandle
+from .._base._query import AsyncWithOnly
 from . import _acquire, _awaiting, _handover, _withdraw
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
@@ -49,7 +50,7 @@ _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
 )
 
 
-class LeasedLock(LockCore):
+class LeasedLock(LockCore, AsyncWithOnly):
     """Base of every primitive whose acquisitions are task-owned leases."""
 
     # -- acquire / release -------------------------------------------------------------
@@ -267,21 +268,6 @@ class LeasedLock(LockCore):
         if holding.is_lost:  # lost before the body even started
             holding.cancel_body()
         return self
-
-    if not TYPE_CHECKING:
-        # Hidden from type checkers, so that mypy still reports `with lock:` (no
-        # `__enter__`); at run time the mistake gets a message that says what to write, as
-        # `if lock.locked():` does, instead of Python's generic one.
-
-        def __enter__(self) -> NoReturn:
-            name = type(self).__name__
-            raise TypeError(
-                f"{name} is an async context manager (it waits on Redis): write "
-                f"`async with`, not `with`"
-            )
-
-        def __exit__(self, *exc_info: Any) -> None:  # `with` looks it up before __enter__
-            return None
 
     async def __aexit__(
         self,
