@@ -73,41 +73,55 @@ def client_from_url(url: str) -> redis.asyncio.Redis:
 
 
 # -- parallel runs (pytest-xdist: `python -m pytest -n auto`, the README's command) --------
-# Tests whose margins are timings (the fault-injection suite) or that start many processes at
-# once share one group: under `--dist loadgroup` they run one after another on one worker,
-# never two of them at once on the 2 cores, while the other workers take the rest. A module
-# with an expensive module-scoped fixture (a docs build, the compatibility matrix, the
-# simulation's seeds) is a group of its own, so the fixture runs once.
-TIMING_GROUP = "timing"
-MODULE_GROUPS = ("test_compat", "test_docs", "test_sim")
+# The work is handed to the workers a file at a time, so a module's fixtures (a docs build, a
+# compatibility matrix, the simulation's seeds) run once and its tests keep their order. The
+# files whose margins are timings (the fault-injection suite, tests/test_faults_*.py) or that
+# start many processes at once (*processes*.py) are one unit: they run one after another on
+# one worker, never two of them at once on the 2 cores, while the other workers take the
+# rest. (xdist's own `xdist_group` marks are not honoured with pytest 9: hence a scheduler.)
+TIMING_UNIT = "timing"
+
+# The session's config, for helpers outside fixtures (tests/test_compat.py's progress lines).
+CONFIG: pytest.Config | None = None
 
 
-def _xdist_group(item: pytest.Item) -> str | None:
-    module = item.module.__name__ if isinstance(item, pytest.Function) else ""
-    if item.get_closest_marker("faults") is not None or "processes" in module:
-        return TIMING_GROUP
-    if module in MODULE_GROUPS:
-        return module
-    return None
+def pytest_configure(config: pytest.Config) -> None:
+    global CONFIG
+    CONFIG = config
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work `nodeid` is handed out in: its file, or the timing unit."""
+    path = nodeid.split("::", 1)[0]
+    name = Path(path).name
+    if name.startswith("test_faults_") or "processes" in name:
+        return TIMING_UNIT
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler with `work_unit` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class ByUnit(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByUnit(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist: each item's group (above, unless it has one), and the longest work
-    first (the timing group, then the other groups and the slow tests), so that no worker
-    starts a long test near the end while the others are done."""
+    """Under xdist: the longest work first (the timing unit, then the files with slow
+    tests), so that no worker starts a long file near the end while the others are done."""
     if not (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
         return
-    for item in items:
-        group = _xdist_group(item)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    slow = {work_unit(i.nodeid) for i in items if i.get_closest_marker("slow") is not None}
 
     def rank(item: pytest.Item) -> int:
-        marker = item.get_closest_marker("xdist_group")
-        if marker is not None:
-            return 0 if marker.args and marker.args[0] == TIMING_GROUP else 1
-        return 1 if item.get_closest_marker("slow") is not None else 2
+        unit = work_unit(item.nodeid)
+        return 0 if unit == TIMING_UNIT else 1 if unit in slow else 2
 
     items.sort(key=rank)  # stable: the order of the files and within them is kept
 

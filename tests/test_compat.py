@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import conftest
 import pytest
 from _cluster import Cluster
 from _servers import ServerKind, ServerProcess, binary_path
@@ -80,18 +81,10 @@ _HIDDEN = 'raise ImportError("{name} is hidden from this process (aiolocks compa
 def _say(message: str) -> None:
     """A line on the terminal now, through pytest's capture (and from an xdist worker: its
     stderr is the terminal's): the cache's first downloads take a while."""
-    capture = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
+    config = conftest.CONFIG
+    capture = config.pluginmanager.getplugin("capturemanager") if config else None
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         print(f"\naiolocks compat: {message}", file=sys.stderr, flush=True)
-
-
-_CONFIG: pytest.Config | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remember_config(request: pytest.FixtureRequest) -> None:
-    global _CONFIG
-    _CONFIG = request.config
 
 
 @contextlib.contextmanager
