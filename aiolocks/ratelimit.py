@@ -17,6 +17,7 @@ from ._base import _telemetry
 from ._base._clients import AnyRedis, ensure_async_client
 from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
+from ._base._query import AsyncWithOnly
 from ._engine._context import ClientContext, context_for
 from ._engine._settings import validate_timeout
 from ._scripts import load
@@ -129,7 +130,7 @@ def validate_cost(cost: object, burst: int) -> int:
 
 
 @final
-class RedisRateLimiter:
+class RedisRateLimiter(AsyncWithOnly):
     """At most `rate` permits per `per` seconds on average, across every process using the
     name; at most `burst` (default: `rate`, at least 1) at once.
 

@@ -29,6 +29,7 @@ with the app and stopped after it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -117,4 +118,7 @@ class AnnouncedServer(uvicorn.Server):
 
 if __name__ == "__main__":
     port = int(sys.argv[1]) if sys.argv[1:] else 8000
-    AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=port)).run()
+    # uvicorn shuts down gracefully on Ctrl-C (and SIGTERM), then raises the signal again:
+    # Ctrl-C comes back as a KeyboardInterrupt once everything is closed, ending quietly here.
+    with contextlib.suppress(KeyboardInterrupt):
+        AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=port)).run()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -102,6 +103,10 @@ async def lifespan(app: Any, url: str = "redis://localhost:6379") -> AsyncIterat
 
 
 async def main(replica: str, url: str) -> None:
+    # A SIGTERM (`kill`, a container's stop) ends it as Ctrl-C does: the leader resigns.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, signal.raise_signal, signal.SIGINT
+    )
     client = redis.Redis.from_url(url)
     try:
         await asyncio.gather(lead_or_follow(client, replica), follow(client))

@@ -30,6 +30,9 @@ from redis.asyncio.cluster import RedisCluster
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import Cluster
+from _faultreport import pytest_addoption as pytest_addoption
+from _faultreport import pytest_runtest_logreport as pytest_runtest_logreport
+from _faultreport import pytest_runtest_makereport as pytest_runtest_makereport
 from _faultreport import pytest_terminal_summary as pytest_terminal_summary
 from _faults import close_client
 from _probes import QueueProbe, Renewals
@@ -67,6 +70,63 @@ def client_from_url(url: str) -> redis.asyncio.Redis:
         made: Any = valkey.asyncio.Valkey.from_url(url)
         return cast(redis.asyncio.Redis, made)
     return redis.asyncio.Redis.from_url(url)
+
+
+# -- parallel runs (pytest-xdist: `python -m pytest -n auto`, the README's command) --------
+# The work is handed to the workers a file at a time, so a module's fixtures (a docs build, a
+# compatibility matrix, the simulation's seeds) run once and its tests keep their order. The
+# files whose margins are timings (the fault-injection suite, tests/test_faults_*.py) or that
+# start many processes at once (*processes*.py) are one unit: they run one after another on
+# one worker, never two of them at once on the 2 cores, while the other workers take the
+# rest. (xdist's own `xdist_group` marks are not honoured with pytest 9: hence a scheduler.)
+TIMING_UNIT = "timing"
+# Other files whose tests lost leases to CPU starvation when run beside others under load:
+# 20,000 leases renewed, a burst of 100,000, an idle window timed to the millisecond.
+TIMING_FILES = frozenset({"test_keeper.py", "test_burst.py", "test_expiry.py"})
+
+# The session's config, for helpers outside fixtures (tests/test_compat.py's progress lines).
+CONFIG: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global CONFIG
+    CONFIG = config
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work `nodeid` is handed out in: its file, or the timing unit."""
+    path = nodeid.split("::", 1)[0]
+    name = Path(path).name
+    if name.startswith("test_faults_") or "processes" in name or name in TIMING_FILES:
+        return TIMING_UNIT
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler with `work_unit` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class ByUnit(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByUnit(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: the longest work first (the timing unit, then the files with slow
+    tests), so that no worker starts a long file near the end while the others are done."""
+    if not (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
+        return
+    slow = {work_unit(i.nodeid) for i in items if i.get_closest_marker("slow") is not None}
+
+    def rank(item: pytest.Item) -> int:
+        unit = work_unit(item.nodeid)
+        return 0 if unit == TIMING_UNIT else 1 if unit in slow else 2
+
+    items.sort(key=rank)  # stable: the order of the files and within them is kept
 
 
 def pytest_report_header() -> str:

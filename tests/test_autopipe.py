@@ -302,6 +302,7 @@ async def test_a_dropped_connection_resends_a_batch_once_for_the_calls_that_allo
 # --------------------------------------------------------------------------- connections
 
 
+@pytest.mark.slow
 async def test_a_burst_of_2000_acquisitions_over_200_names_uses_few_connections(
     r: redis.asyncio.Redis, named: redis.asyncio.Redis
 ) -> None:

@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+import pytest
 import redis.asyncio
 from conftest import Backend, cancelled_attempt
 
@@ -30,6 +31,7 @@ async def _keys(client: redis.asyncio.Redis, kind: str, name: str) -> dict[str, 
     return found
 
 
+@pytest.mark.slow
 async def test_500_acquisitions_cancelled_at_random_points(any_backend: Backend) -> None:
     rng = random.Random(20261123)
     clients = [any_backend.client() for _ in range(2)]

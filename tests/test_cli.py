@@ -202,6 +202,26 @@ async def test_list_scans_with_a_pattern_and_groups_keys(
         await lock.release()
 
 
+@ONE_SERVER
+async def test_tables_piped_out_are_plain_lines(url: str, r: redis.asyncio.Redis) -> None:
+    """`aiolocks list | grep ...`: no line padded with trailing spaces, no colour codes, and
+    the footer on one line however long the pattern (a table caption wrapped at the table's
+    width); `inspect` the same."""
+    prefix = "an-application-with-a-rather-long-prefix-name"
+    held = RedisMutex(r, "orders:1", prefix=prefix)
+    assert await held.acquire()
+    listed = await cli("list", "--url", url, "--prefix", prefix)
+    inspected = await cli("inspect", "orders:1", "--url", url, "--prefix", prefix)
+    await held.release()
+    for ran in (listed, inspected):
+        assert ran.code == 0, ran.err
+        lines = ran.out.splitlines()
+        assert lines and all(line == line.rstrip() for line in lines), ran.out
+        assert "\x1b" not in ran.out
+    assert listed.out.splitlines()[-1] == f"1 found (SCAN MATCH {prefix}:*:{{*}}:*)"
+    assert any(line.startswith("mutex  'orders:1' (prefix") for line in inspected.out.splitlines())
+
+
 # -- release -------------------------------------------------------------------------------
 
 
@@ -429,6 +449,7 @@ def _installed_script() -> list[str]:
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_the_installed_script_releases_on_a_real_terminal(
     url: str, r: redis.asyncio.Redis, client_for: Callable[[], Any], tasks: Tasks
 ) -> None:
@@ -504,6 +525,7 @@ async def test_python_m_aiolocks_is_the_aiolocks_command() -> None:
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(
     url: str, r: redis.asyncio.Redis
 ) -> None:

@@ -87,6 +87,7 @@ async def hold_the_examples_locks(
 
 
 @ONE_SERVER
+@pytest.mark.slow
 async def test_every_command_in_the_docs_runs_as_documented(
     url: str, r: redis.asyncio.Redis, tasks: Tasks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,3 +113,12 @@ async def test_every_command_in_the_docs_runs_as_documented(
     finally:
         await tasks.reap()  # the waiters still queued use `other` to withdraw
         await other.aclose()
+
+
+def test_the_pages_claims_about_the_demo_and_the_extra_hold() -> None:
+    """The demo's fences are the server clock (16 digits: test_cli's demo test sees them so),
+    not numbers from 1; and the command comes with the package, the `cli` extra adds rich."""
+    page = " ".join(DOC.read_text().split())
+    assert "fences start at 1" not in page
+    assert "Its fences are 16-digit server timestamps" in page
+    assert "whatever extras you install" in page and "which the `cli` extra adds" in page

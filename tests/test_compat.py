@@ -13,6 +13,8 @@ long as its slowest cell. `nox -s compat` runs the engine's own tests in each ce
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -23,10 +25,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import conftest
 import pytest
 from _cluster import Cluster
 from _servers import ServerKind, ServerProcess, binary_path
 from conftest import ClusterPool
+
+# Whole-suite checks in other processes: not in the quick loop (`-m "not slow ..."`).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "tests" / "_compat_smoke.py"
@@ -72,17 +78,44 @@ CELLS: dict[str, Cell] = {
 _HIDDEN = 'raise ImportError("{name} is hidden from this process (aiolocks compat)")\n'
 
 
+def _say(message: str) -> None:
+    """A line on the terminal now, through pytest's capture (and from an xdist worker: its
+    stderr is the terminal's): the cache's first downloads take a while."""
+    config = conftest.CONFIG
+    capture = config.pluginmanager.getplugin("capturemanager") if config else None
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\naiolocks compat: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """`path`'s lock file held: one process at a time fills a cache entry (xdist workers,
+    or two runs of the suite)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _pip_target(requirement: str, *extra: str) -> Path:
     """`requirement` installed (no dependencies) into a cache directory of its own."""
     target = CACHE / requirement.replace("==", "-")
-    if not (target / ".complete").exists():
+    if (target / ".complete").exists():
+        return target
+    with _locked(target):
+        if (target / ".complete").exists():  # filled while this process waited
+            return target
+        _say(f"downloading {requirement} into {target} (once: later runs reuse it) ...")
+        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
              "--no-deps", "--upgrade", "--target", str(target), *extra, requirement],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         if done.returncode != 0:
+            _say(f"{requirement} could not be installed")
             pytest.skip(f"cannot pip install {requirement}: {done.stderr.strip()[-300:]}")
+        _say(f"{requirement} ready ({time.monotonic() - started:.0f} s)")
         (target / ".complete").touch()
     return target
 
@@ -90,9 +123,10 @@ def _pip_target(requirement: str, *extra: str) -> Path:
 def _hiding(names: tuple[str, ...]) -> Path:
     """A directory that, first on the path, makes the packages `names` fail to import."""
     hidden = CACHE / ("no-" + "-".join(names))
-    for name in names:
-        (hidden / name).mkdir(parents=True, exist_ok=True)
-        (hidden / name / "__init__.py").write_text(_HIDDEN.format(name=name))
+    with _locked(hidden):
+        for name in names:
+            (hidden / name).mkdir(parents=True, exist_ok=True)
+            (hidden / name / "__init__.py").write_text(_HIDDEN.format(name=name))
     return hidden
 
 
@@ -191,9 +225,10 @@ class Matrix:
 
     def stop(self) -> None:
         for run in (self._runs or {}).values():
-            if run.process is not None and run.process.poll() is None:
-                run.process.kill()
-                run.process.communicate()
+            if run.process is not None:
+                if run.process.poll() is None:
+                    run.process.kill()
+                run.process.communicate()  # its pipes closed, also for a cell nobody asked
         for server in self._servers:
             server.stop()
         for each in self._clusters:

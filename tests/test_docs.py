@@ -32,6 +32,9 @@ from _servers import ServerProcess
 import aiolocks
 from aiolocks import RedisMutex
 
+# The site's build and every page's snippets: not in the quick loop (`-m "not slow ..."`).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 LOCAL_URL = "redis://localhost:6379"
@@ -324,6 +327,15 @@ def test_the_site_builds_with_its_pages(site: Path) -> None:
         if relative.name == "index.md":
             html = site / relative.parent / "index.html"
         assert html.is_file(), f"{relative} was not built"
+
+
+def test_the_home_tables_first_column_stays_on_one_line(site: Path) -> None:
+    """`RedisReadWriteLock` in the home page's table was broken in two at 1280 px."""
+    home = (site / "index.html").read_text()
+    assert 'href="stylesheets/extra.css"' in home
+    css = " ".join((site / "stylesheets" / "extra.css").read_text().split())
+    assert "table:not([class]) td:first-child code { white-space: nowrap; }" in css
+    assert '<td><a href="rwlock/"><code>RedisReadWriteLock</code></a></td>' in home
 
 
 def test_the_api_reference_comes_from_the_docstrings(site: Path) -> None:

@@ -51,6 +51,7 @@ async def _exited(pidfd: int, bound: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("end", ["SIGKILL", "SIGTERM", "exit"])
+@pytest.mark.slow
 async def test_the_server_ends_with_the_process_that_started_it(end: str) -> None:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}

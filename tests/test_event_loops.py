@@ -97,6 +97,7 @@ UVLOOP_TESTS = [
 ]
 
 
+@pytest.mark.slow
 def test_the_engine_tests_pass_on_uvloop() -> None:
     """Those tests again, in a pytest process whose loops are uvloop's (what `uvicorn
     [standard]` runs): the conftest sets uvloop's policy when AIOLOCKS_TEST_LOOP=uvloop."""

@@ -246,16 +246,49 @@ async def _lines_until(worker: Worker, text: str, timeout: float = 60.0) -> list
 
 
 @ONE_SERVER
-async def test_the_scheduler_example_stopped_by_ctrl_c_as_leader_resigns_quietly(
-    r: redis.asyncio.Redis, url: str
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_the_scheduler_example_stopped_as_leader_resigns_quietly(
+    r: redis.asyncio.Redis, url: str, stop: signal.Signals
 ) -> None:
+    """Ctrl-C (to the process group, as a terminal sends it) or a SIGTERM (`kill`, a
+    container's stop): the leader resigns on the way out and says nothing."""
     example = ROOT / "examples" / "singleton_scheduler.py"
     async with _program(sys.executable, WATCH, example, "replica-a", env={"REDIS_URL": url}) as app:
         await _lines_until(app, "elected replica-a")
-        os.killpg(app.proc.pid, signal.SIGINT)  # Ctrl-C
+        _stop(app, stop)
         assert await app.finish() == 0
         assert app.stderr == ""
     assert await RedisElection(r, "scheduler").leader() is None  # resigned on the way out
+
+
+def _stop(app: Worker, how: signal.Signals) -> None:
+    """Ctrl-C goes to the whole process group, as a terminal sends it; other signals to the
+    program alone, as `kill` does."""
+    if how == signal.SIGINT:
+        os.killpg(app.proc.pid, how)
+    else:
+        app.proc.send_signal(how)
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("name", ["fastapi_orders", "aiohttp_orders"])
+async def test_the_web_examples_stop_quietly_on_ctrl_c_and_sigterm(
+    url: str, name: str, stop: signal.Signals
+) -> None:
+    """Each says "Ctrl-C stops it": a Ctrl-C (to the process group, as a terminal sends it)
+    or a SIGTERM ends it with no traceback and nothing on stderr but the web server's log."""
+    port = free_port()
+    example = ROOT / "examples" / f"{name}.py"
+    async with _program(sys.executable, example, port, env={"REDIS_URL": url}) as app:
+        said = await _lines_until(app, "Ctrl-C stops it")
+        assert f"orders service at http://127.0.0.1:{port}" in said
+        _stop(app, stop)
+        status = await app.finish()
+    # uvicorn raises a SIGTERM again once it has shut down, as the signal would end it.
+    assert status in ((0, -signal.SIGTERM) if stop == signal.SIGTERM else (0,)), app.stderr
+    noise = [line for line in app.stderr.splitlines() if not line.startswith("INFO:")]
+    assert noise == [], app.stderr
 
 
 async def test_the_scheduler_example_runs_alone_on_an_embedded_server() -> None:
@@ -319,8 +352,10 @@ async def test_ctrl_c_of_the_cli_demo_says_one_line_and_leaves_no_process() -> N
 
 
 @pytest.mark.parametrize("how", ["closed-pipe", "sigterm", "sigkill"])
-async def test_no_child_of_aiolocks_bench_outlives_it(how: str) -> None:
-    async with _program(sys.executable, "-m", "aiolocks", "bench", env={"REDIS_URL": ""}) as bench:
+async def test_no_child_of_aiolocks_bench_outlives_it(how: str, tmp_path: Path) -> None:
+    # A signal that kills it leaves its scratch directory: in this test's, not the system's.
+    env = {"REDIS_URL": "", "TMPDIR": str(tmp_path)}
+    async with _program(sys.executable, "-m", "aiolocks", "bench", env=env) as bench:
         await _lines_until(bench, "server valkey")  # the benchmark and its server run
         below = _descendants(bench.proc.pid)
         assert len(below) >= 2

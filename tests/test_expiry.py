@@ -202,6 +202,7 @@ def election_scenarios(
     return [handoff, timeout, cancel, resigned, abandoned(crashed)]
 
 
+@pytest.mark.slow
 async def test_nothing_is_left_after_the_idle_window(
     r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis]
 ) -> None:
@@ -330,6 +331,7 @@ async def test_a_cohort_ahead_of_the_clock_keeps_its_fence_key_longer(
     await mutex.release()
 
 
+@pytest.mark.slow
 async def test_the_semaphore_limit_lives_with_its_users_and_expires_with_them(
     r: redis.asyncio.Redis, clients: Callable[[], redis.asyncio.Redis], tasks: Tasks
 ) -> None:

@@ -239,6 +239,7 @@ async def test_a_cancelled_adopt_leaves_no_orphan(clients: list[redis.asyncio.Re
     assert outcomes["untouched"] and (outcomes["adopted"] or outcomes["given back"]), outcomes
 
 
+@pytest.mark.slow
 async def test_a_handle_passed_through_a_subprocess(
     valkey_notify: ServerProcess, clients: list[redis.asyncio.Redis], spawn: Spawn
 ) -> None:

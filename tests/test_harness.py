@@ -199,6 +199,7 @@ async def test_command_count_counts_exactly(r: redis.asyncio.Redis) -> None:
     assert await command_count(r, {"evalsha"}) == evalsha_before
 
 
+@pytest.mark.slow
 def test_run_workers_returns_each_stdout(url: str) -> None:
     results = run_workers(WORKER, [[url, str(i)] for i in range(4)], timeout=60)
     assert [res.returncode for res in results] == [0, 0, 0, 0], [res.stderr for res in results]
@@ -209,6 +210,7 @@ def test_run_workers_returns_each_stdout(url: str) -> None:
     assert counts == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 async def test_arun_workers_keeps_loop_running(r: redis.asyncio.Redis, url: str) -> None:
     ticks = 0
 

@@ -11,6 +11,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "aiolocks"
 
 # Bottom to top; a module's layer is its folder (the first part of its name relative to
@@ -143,6 +145,7 @@ def _label(name: str) -> str:
     return f"aiolocks.{name}" if name else "aiolocks"
 
 
+@pytest.mark.slow
 def test_the_graph_is_read_from_every_kind_of_import() -> None:
     graph = import_graph()
     assert "_base._keys" in graph["_base._handle"]  # `from ._keys import ...`

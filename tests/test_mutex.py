@@ -58,6 +58,7 @@ async def test_waiting_does_not_poll(server: ServerProcess, r: redis.asyncio.Red
     assert long == short, (short, long)  # three times the wait, not one command more
 
 
+@pytest.mark.slow
 async def test_renewal_keeps_a_long_body_exclusive(r: redis.asyncio.Redis, url: str) -> None:
     other_client = redis.asyncio.Redis.from_url(url)
     mutex = RedisMutex(r, "m:renew", ttl=1)

@@ -14,7 +14,13 @@ import redis.asyncio
 from _cli import cli
 
 import aiolocks
-from aiolocks import RedisMultiLock, RedisMutex, RedisReadWriteLock, RedisSemaphore
+from aiolocks import (
+    RedisMultiLock,
+    RedisMutex,
+    RedisRateLimiter,
+    RedisReadWriteLock,
+    RedisSemaphore,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +72,42 @@ def test_mypy_flags_if_locked_without_await_with_truthy_bool(tmp_path: Path) -> 
     )
     assert status == 1
     assert out.count("error:") == 1 and "trap.py:7: error:" in out and "[truthy-bool]" in out
+
+
+async def test_with_without_async_is_a_type_error_that_says_what_to_write(
+    fake_r: redis.asyncio.Redis,
+) -> None:
+    """`with RedisMutex(...):` (as with `threading.Lock`) says to write `async with`, and
+    takes nothing: the lock is still free afterwards."""
+    for kind, lock in _lockers(fake_r):
+        expected = rf"^{kind} is an async context manager.*`async with`"
+        with pytest.raises(TypeError, match=expected), lock:  # type: ignore[attr-defined]
+            pytest.fail("the body ran")
+        assert await lock.locked() is False  # type: ignore[attr-defined]
+    limiter = RedisRateLimiter(fake_r, "paid-api", rate=10, per=1.0)
+    expected = r"^RedisRateLimiter is an async context manager.*`async with`"
+    with pytest.raises(TypeError, match=expected), limiter:  # type: ignore[attr-defined]
+        pytest.fail("the body ran")
+    assert await fake_r.keys("*") == []  # no permit taken
+
+
+@pytest.mark.slow
+def test_mypy_still_flags_with_without_async(tmp_path: Path) -> None:
+    from mypy import api
+
+    program = tmp_path / "trap.py"
+    program.write_text(
+        "import redis.asyncio as redis\n"
+        "from aiolocks import RedisMutex\n\n\n"
+        "async def main(r: redis.Redis) -> None:\n"
+        "    with RedisMutex(r, 'x'):\n"
+        "        print('held')\n"
+        "    async with RedisMutex(r, 'x'):\n"
+        "        print('held')\n"
+    )
+    out, _, status = api.run(["--strict", "--no-incremental", str(program)])
+    assert status == 1
+    assert "trap.py:6: error:" in out and "__enter__" in out and "trap.py:8" not in out, out
 
 
 async def test_await_locked_works_as_ever(fake_r: redis.asyncio.Redis) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -22,6 +25,7 @@ APP_DRIVER = """
 import asyncio as _asyncio
 import httpx as _httpx
 from asgi_lifespan import LifespanManager as _LifespanManager
+import pytest
 
 
 async def _drive() -> None:
@@ -35,6 +39,7 @@ _asyncio.run(_drive())
 """
 
 
+@pytest.mark.slow
 def test_snippets_run(url: str) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) == len(EXPECTED), "a README snippet has no expected output here"
@@ -48,3 +53,21 @@ def test_snippets_run(url: str) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert re.fullmatch(expected, done.stdout), done.stdout
+
+
+def test_the_test_commands_are_there_and_use_what_the_test_extra_installs() -> None:
+    """The one command .ci/run runs (between the markers) installs the `test` extra, whose
+    packages include pytest-xdist for `-n`; the quick loop's markers are registered."""
+    text = README.read_text()
+    block = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```\n<!-- /test-command -->", text)
+    assert block is not None and text.count("<!-- test-command -->") == 1
+    assert block[1] == "pip install -e '.[test]' && python -m pytest -n auto"
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())
+    assert any(
+        dep.startswith("pytest-xdist")
+        for dep in project["project"]["optional-dependencies"]["test"]
+    )
+    quick = re.search(r'python -m pytest -n auto -m "([^"]+)"', text)
+    assert quick is not None, "no quick loop in the README"
+    registered = {m.split(":")[0] for m in project["tool"]["pytest"]["ini_options"]["markers"]}
+    assert set(re.findall(r"\b(?!not\b|and\b|or\b)(\w+)", quick[1])) <= registered

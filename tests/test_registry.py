@@ -284,6 +284,7 @@ async def test_concurrent_registrations_of_one_name_are_coalesced(r: redis.async
     assert await _maps(r, "users") == ({b"user-0000": 1}, {1: b"user-0000"}, 1)
 
 
+@pytest.mark.slow
 async def test_concurrent_distinct_names_get_dense_ids(r: redis.asyncio.Redis) -> None:
     reg = RedisRegistry(r, "users")
     # Two instances for one registry on one client share their batches too.
@@ -315,6 +316,7 @@ async def test_a_cancelled_caller_does_not_disturb_the_others(r: redis.asyncio.R
     assert await reg.id_of("alice") == 1
 
 
+@pytest.mark.slow
 async def test_register_many_is_one_round_trip(r: redis.asyncio.Redis) -> None:
     reg = RedisRegistry(r, "big")
     names = [f"name-{i:06d}" for i in range(100_000)]

@@ -35,6 +35,10 @@ def _simulate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
     )
 
 
+# The simulation's seeds and scenarios: not in the quick loop (`-m "not slow ..."`).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def scenarios() -> dict[str, Any]:
     done = _simulate("--all-scenarios", "--json")
@@ -73,6 +77,7 @@ def test_scenario_has_no_violation(scenarios: dict[str, Any], name: str) -> None
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_random_seeds_have_no_violation() -> None:
     done = _simulate("--seeds", CI_SEEDS, "--duration", CI_DURATION, timeout=590)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

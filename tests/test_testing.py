@@ -83,6 +83,7 @@ def test_expire_lease_wants_a_lock() -> None:
         )
 
 
+@pytest.mark.slow
 def test_a_users_suite_in_strict_mode(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import redis.asyncio
 from _web import EXAMPLES, ONE_SERVER, load_example
 
@@ -29,6 +30,7 @@ async def test_each_order_once_and_the_api_never_over_its_limit(
     assert await r.dbsize() == 0  # the run removed its keys
 
 
+@pytest.mark.slow
 def test_the_script_on_its_embedded_server() -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES.parent), env.get("PYTHONPATH")]))

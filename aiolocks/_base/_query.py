@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
-__all__ = ["Query", "query"]
+__all__ = ["AsyncWithOnly", "Query", "query"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -67,3 +67,24 @@ def query(
         return Query(method(self, *args, **kwargs), f"{type(self).__name__}.{method.__name__}()")
 
     return asking
+
+
+class AsyncWithOnly:
+    """A base for what is entered with `async with` only: `with lock:` (as with
+    `threading.Lock`) raises a `TypeError` that says what to write, as `if lock.locked():`
+    does, instead of Python's generic one. Hidden from type checkers, so that mypy still
+    reports `with lock:` (no `__enter__`)."""
+
+    __slots__ = ()
+
+    if not TYPE_CHECKING:
+
+        def __enter__(self) -> NoReturn:
+            name = type(self).__name__
+            raise TypeError(
+                f"{name} is an async context manager (it waits on Redis): write "
+                f"`async with`, not `with`"
+            )
+
+        def __exit__(self, *exc_info: Any) -> None:  # `with` looks it up before __enter__
+            return None

@@ -28,6 +28,7 @@ from .._base._errors import (
     map_redis_errors,
 )
 from .._base._handle import LockHandle
+from .._base._query import AsyncWithOnly
 from . import _acquire, _awaiting, _handover, _withdraw
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
@@ -49,7 +50,7 @@ _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
 )
 
 
-class LeasedLock(LockCore):
+class LeasedLock(LockCore, AsyncWithOnly):
     """Base of every primitive whose acquisitions are task-owned leases."""
 
     # -- acquire / release -------------------------------------------------------------

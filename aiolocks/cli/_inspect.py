@@ -22,7 +22,7 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
     if args.json:
         write_json(io.stdout, view.to_json())
     else:
-        from ._render import console, view_tables
+        from ._render import show, view_tables
 
-        console(io.stdout).print(view_tables(view))
+        show(io.stdout, view_tables(view))
     return 0

@@ -35,10 +35,10 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
             ],
         )
     else:
-        from ._render import console, list_table
+        from ._render import list_table, show
 
         match = scan_pattern(args.prefix, args.kind, args.pattern)
-        console(io.stdout).print(list_table(rows, match))
+        show(io.stdout, list_table(rows, match))
     return 0
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from ..election import ElectionInfo
 from ..mutex import MutexInfo
@@ -15,7 +17,7 @@ from ..rwlock import RWLockInfo
 from ..semaphore import SemaphoreInfo
 from ._view import SHORT_TOKEN, Info, View, state_of
 
-__all__ = ["console", "duration", "list_table", "view_tables"]
+__all__ = ["console", "duration", "list_table", "show", "view_tables"]
 
 _SIDES = {"x": "", "r": "read", "w": "write"}
 
@@ -23,6 +25,26 @@ _SIDES = {"x": "", "r": "read", "w": "write"}
 def console(out: TextIO) -> Console:
     """A console on `out`: colours and live updates only when it is a terminal."""
     return Console(file=out, highlight=False, soft_wrap=False)
+
+
+# Piped out (`aiolocks list | grep held`), lines are as long as their content: no terminal
+# width to fit, so none of rich's 80-column default.
+_PIPED_WIDTH = 1000
+
+
+def show(out: TextIO, renderable: RenderableType) -> None:
+    """Print `renderable` on `out`. On a terminal as rich lays it out; piped, as plain lines
+    for other programs: no colours, no padding to the width, nothing wrapped at 80 columns."""
+    terminal = console(out)
+    if terminal.is_terminal:
+        terminal.print(renderable)
+        return
+    buffer = io.StringIO()
+    plain = Console(
+        file=buffer, width=_PIPED_WIDTH, highlight=False, soft_wrap=False, color_system=None
+    )
+    plain.print(renderable)
+    out.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
 
 
 def duration(ms: int | None) -> str:
@@ -144,16 +166,18 @@ def _named(token: str, labels: dict[str, str]) -> str:
     return short if label is None else f"{short} ({label})"
 
 
-def list_table(rows: Sequence[tuple[str, Info]], match: str) -> Table:
-    """One row per primitive: kind, name, state, holders, queue length, fence."""
-    table = Table(caption=f"{len(rows)} found (SCAN MATCH {match})", caption_justify="left")
+def list_table(rows: Sequence[tuple[str, Info]], match: str) -> RenderableType:
+    """One row per primitive: kind, name, state, holders, queue length, fence; then how many
+    and the pattern, on a line of its own (a caption would wrap at the table's width)."""
+    table = Table()
     for column in ("kind", "name", "state"):
         table.add_column(column)
     for column in ("holders", "queue", "fence"):
         table.add_column(column, justify="right")
     for kind, info in rows:
         table.add_row(kind, info.name, state_of(info), *_counts(info))
-    return table
+    footer = Text(f"{len(rows)} found (SCAN MATCH {match})", style="table.caption")
+    return Group(table, footer)
 
 
 def _counts(info: Info) -> tuple[str, str, str]:
