@@ -95,22 +95,22 @@ MUTANTS = [
     Mutant(
         "release-by-non-owner",
         "aiolocks/_scripts/mutex_release.lua",
-        "elseif current then\n  return {0}\nend",
-        "end",
+        "  if current then\n    return {0}\n  end\n",
+        "",
         "a release by a token that does not own the mutex hands it on anyway",
     ),
     Mutant(
         "semaphore-one-too-many",
         "aiolocks/_scripts/_semaphore.lua",
-        "  while redis.call('ZCARD', k.holders) < limit do",
-        "  while redis.call('ZCARD', k.holders) <= limit do",
+        "    if held >= limit then\n      held = sem_held(k, limit, now)",
+        "    if held > limit then\n      held = sem_held(k, limit, now)",
         "a semaphore release fills one permit more than the limit",
     ),
     Mutant(
         "rw-writer-beside-reader",
         "aiolocks/_scripts/_rwlock.lua",
-        "    if kind == 'w' and redis.call('ZCARD', k.readers) > 0 then",
-        "    if kind == 'w' and redis.call('ZCARD', k.readers) > 1 then",
+        "        and redis.call('ZCARD', k.readers) > 0 then",
+        "        and redis.call('ZCARD', k.readers) > 1 then",
         "an RW writer is let in beside a single reader",
     ),
     Mutant(
@@ -123,16 +123,16 @@ MUTANTS = [
     Mutant(
         "multi-try-takes-held-names",
         "aiolocks/_scripts/multi_try.lua",
-        "  if (current and current ~= token) or",
-        "  if (current and current == token) or",
+        "  if (current[i] and current[i] ~= token) or",
+        "  if (current[i] and current[i] == token) or",
         "the multi-lock's one-script try takes names another token holds",
     ),
     Mutant(
         "release-skips-purge",
-        "aiolocks/_scripts/mutex_release.lua",
-        "if queued > 0 and #purge_dead(queue, waiters, now_ms()) > 0 then",
-        "if false and #purge_dead(queue, waiters, now_ms()) > 0 then",
-        "a mutex release hands on to the queue's head without purging dead waiters",
+        "aiolocks/_scripts/_prelude.lua",
+        "      if tonumber(deadline) >= now then\n        return head",
+        "      if true then\n        return head",
+        "a release hands on to the queue's head without dropping dead waiters (pop_live)",
     ),
     # -- the lease keeper ---------------------------------------------------------------
     Mutant(
