@@ -67,7 +67,7 @@ def test_the_test_commands_are_there_and_use_what_the_test_extra_installs() -> N
         dep.startswith("pytest-xdist")
         for dep in project["project"]["optional-dependencies"]["test"]
     )
-    quick = re.search(r'python -m pytest -n auto -m "([^"]+)"', text)
+    quick = re.search(r'python -m pytest -n (?:auto|\d+) -m "([^"]+)"', text)
     assert quick is not None, "no quick loop in the README"
     registered = {m.split(":")[0] for m in project["tool"]["pytest"]["ini_options"]["markers"]}
     assert set(re.findall(r"\b(?!not\b|and\b|or\b)(\w+)", quick[1])) <= registered
