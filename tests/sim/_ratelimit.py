@@ -25,7 +25,7 @@ from aiolocks import RedisRateLimiter, ServerUnavailable
 from ._loop import Proc
 from ._net import EPOCH
 from ._scenarios import SCENARIOS
-from ._workload import Run, _close_loop, _dead
+from ._workload import Run, _close_loop
 from ._world import Result, World
 
 SEEDS = (1, 2, 3, 4, 5, 6)
@@ -64,24 +64,12 @@ class LimiterRun(Run):
         self.reserved: list[int] = []  # the server's clock (µs) at each grant's reservation
 
     async def main(self) -> None:
-        world, rng = self.world, self.rng
+        world = self.world
         loop = asyncio.get_running_loop()
         self.until = loop.time() + self.duration
-        tasks = []
-        for p in range(rng.randint(2, 4)):
-            proc = world.new_proc(
-                f"P{p}",
-                autopipe=rng.random() < 0.6,
-                socket_timeout=rng.choice((None, 1.0, 3.0)),
-                retry=rng.random() < 0.5,
-            )
-            for w in range(rng.randint(2, 6)):
-                tasks.append(world.spawn(proc, self.user(proc, w), f"u{w}"))
+        tasks = self.spawn_processes(self.user, "u")
         faults = loop.create_task(self.faults(), context=world.sim)
-        for task in tasks:
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, self.until + 60 - loop.time()))
-            if not done and not _dead(task):
-                world.violate(f"HUNG task {task.get_name()} still running 60 s after the run")
+        await self.await_tasks(tasks)
         faults.cancel()
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import random
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +79,11 @@ class Run:
 
     # -- the run -----------------------------------------------------------------------
 
-    async def main(self) -> None:
+    def spawn_processes(
+        self, body: Callable[[Proc, int], Coroutine[Any, Any, None]], prefix: str
+    ) -> list[asyncio.Task[None]]:
+        """2-4 simulated processes, each with 2-6 tasks running `body(proc, n)`."""
         world, rng = self.world, self.rng
-        loop = asyncio.get_running_loop()
-        self.until = loop.time() + self.duration
         tasks = []
         for p in range(rng.randint(2, 4)):
             proc = world.new_proc(
@@ -91,9 +93,12 @@ class Run:
                 retry=rng.random() < 0.5,
             )
             for w in range(rng.randint(2, 6)):
-                tasks.append(world.spawn(proc, self.worker(proc, w), f"w{w}"))
-        faults = loop.create_task(self.faults(), context=world.sim)
-        monitor = loop.create_task(self.monitor(), context=world.sim)
+                tasks.append(world.spawn(proc, body(proc, w), f"{prefix}{w}"))
+        return tasks
+
+    async def await_tasks(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait for every task until 60 s after the run; one still running then is HUNG."""
+        world, loop = self.world, asyncio.get_running_loop()
         deadline = self.until + 60
         for task in tasks:
             if _dead(task):
@@ -102,6 +107,15 @@ class Run:
             done, _ = await asyncio.wait({task}, timeout=max(0.0, remaining))
             if not done and not _dead(task):
                 world.violate(f"HUNG task {task.get_name()} still running 60 s after the run")
+
+    async def main(self) -> None:
+        world = self.world
+        loop = asyncio.get_running_loop()
+        self.until = loop.time() + self.duration
+        tasks = self.spawn_processes(self.worker, "w")
+        faults = loop.create_task(self.faults(), context=world.sim)
+        monitor = loop.create_task(self.monitor(), context=world.sim)
+        await self.await_tasks(tasks)
         faults.cancel()
         monitor.cancel()
         for task in tasks:
