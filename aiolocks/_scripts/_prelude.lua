@@ -157,18 +157,6 @@ local function split_member(member)
   return token, ttl, tag, kind
 end
 
--- Drop queue entries whose heartbeat deadline has passed; returns the members dropped.
-local function purge_dead(queue, waiters, now)
-  local dead = redis.call('ZRANGEBYSCORE', waiters, '-inf', '(' .. now)
-  if #dead > 0 then
-    for _, member in ipairs(dead) do
-      redis.call('LREM', queue, 1, member)
-    end
-    redis.call('ZREMRANGEBYSCORE', waiters, '-inf', '(' .. now)
-  end
-  return dead
-end
-
 -- Remove one member from the queue; returns true when it was queued.
 local function dequeue(queue, waiters, member)
   if redis.call('ZREM', waiters, member) == 1 then

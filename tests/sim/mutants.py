@@ -80,8 +80,8 @@ MUTANTS = [
     Mutant(
         "dead-waiters-not-purged",
         "aiolocks/_scripts/_prelude.lua",
-        "  local dead = redis.call('ZRANGEBYSCORE', waiters, '-inf', '(' .. now)\n",
-        "  local dead = {}\n",
+        "redis.pcall('ZADD', waiters, now + tonumber(ttl), member)",
+        "redis.pcall('ZADD', waiters, now + tonumber(ttl) * 1000, member)",
         "escaped 5: a crashed waiter is never purged from its queue",
     ),
     Mutant(
