@@ -85,14 +85,6 @@ local function read_key(i, want)
   return reply
 end
 
-local function read_keys(types)
-  local replies = {}
-  for i, want in ipairs(types) do
-    replies[i] = read_key(i, want)
-  end
-  return unpack(replies, 1, #types)
-end
-
 -- The reply of `redis.pcall(...)` on `key`, the first command of its script on that key,
 -- which doubles as the key's type check: a key of another type fails the call, naming it,
 -- and the command changed nothing (a read, or a write that the server refused).
@@ -157,15 +149,6 @@ local function split_member(member)
   return token, ttl, tag, kind
 end
 
--- Remove one member from the queue; returns true when it was queued.
-local function dequeue(queue, waiters, member)
-  if redis.call('ZREM', waiters, member) == 1 then
-    redis.call('LREM', queue, 1, member)
-    return true
-  end
-  return false
-end
-
 -- Put a member at the tail (once) and refresh its liveness deadline (now + ttl); the queue
 -- keys, and `extra` keys that must live as long as a waiter, are kept ttl + IDLE_MS. The
 -- queue list and the waiters zset always get their expiries together (here, and in
@@ -211,16 +194,6 @@ local function pop_live(queue, waiters, head, now, forget)
     head = redis.call('LINDEX', queue, 0)
   end
   return nil
-end
-
--- Pop the first queued (live) member; returns token, ttl_ms, tag, kind or nil.
-local function pop_head(queue, waiters)
-  local member = redis.call('LPOP', queue)
-  if not member then
-    return nil
-  end
-  redis.call('ZREM', waiters, member)
-  return split_member(member)
 end
 
 -- Grants go out on sharded pub/sub (SPUBLISH: on Cluster, to the channel's shard only)
