@@ -13,6 +13,11 @@ Then a program that cancels a queued waiter and returns from `main` must leave n
 entry behind (auto-pipelining on and off). Prints one JSON line; exits 0 even when a
 configuration fails (the test reads which).
 
+The configurations run side by side, so the matrix costs about one configuration's time: the
+idle window is one for all of them (`_Window`: it opens once every configuration's waiters are
+queued), and a window in which the server ran any command is measured again for each
+configuration alone, so that a failure names its configuration.
+
     python tests/_client_configs_smoke.py URL UNIX_SOCKET_PATH [--client valkey]
 """
 
@@ -109,16 +114,55 @@ class _Queued:
         await self.pubsub.aclose()
 
 
+class _Window:
+    """One idle window shared by the configurations running side by side: it opens when every
+    one of them has arrived (or dropped out) and counts the server's commands across it."""
+
+    def __init__(self, admin: Any, parties: int) -> None:
+        self.admin = admin
+        self.missing = parties
+        self.length = 0.0
+        self.everyone = asyncio.Event()
+        self.measured: asyncio.Task[int] | None = None
+
+    def _count_in(self) -> None:
+        self.missing -= 1
+        if self.missing == 0:
+            self.measured = asyncio.create_task(self._measure())
+            self.everyone.set()
+
+    async def _measure(self) -> int:
+        await asyncio.sleep(0.2)  # the queueing calls' replies read (nothing is sent after)
+        before = await _commands(self.admin)
+        await asyncio.sleep(self.length)  # the measured window, not a wait for anything
+        return await _commands(self.admin) - before
+
+    async def commands_across(self, length: float) -> int:
+        """Arrive with waiters queued; the commands the server ran across the window."""
+        self.length = max(self.length, length)
+        self._count_in()
+        await self.everyone.wait()
+        assert self.measured is not None
+        return await asyncio.shield(self.measured)
+
+    def drop_out(self) -> None:
+        """A configuration that failed before its window: the others do not wait for it."""
+        self._count_in()
+
+
 async def _enter(side: AbstractAsyncContextManager[Any], entered: asyncio.Event) -> float:
     async with side:
         entered.set()
         return time.monotonic()
 
 
-async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[str, Any]:
+async def _configuration(
+    make: Callable[[], Any], admin: Any, tag: str, window_gate: _Window
+) -> dict[str, Any]:
     a, b = make(), make()
     report: dict[str, Any] = {"ok": False, "commands_while_waiting": None}
     started = time.monotonic()
+    arrived = False
     try:
         window = max(MIN_WINDOW, (_read_timeout(b) or 0.0) + 1.0)
         report["window"] = window
@@ -135,10 +179,8 @@ async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[
                 for kind in KINDS
             }
             await queued.until(len(KINDS))
-        await asyncio.sleep(0.2)  # the queueing calls' replies read (nothing is sent after)
-        before = await _commands(admin)
-        await asyncio.sleep(window)  # the measured window, not a wait for anything
-        report["commands_while_waiting"] = await _commands(admin) - before
+        arrived = True
+        report["commands_while_waiting"] = await window_gate.commands_across(window)
         assert not any(event.is_set() for event in entered.values()), "entered while held"
         # 2. A fresh name, subscribed to after the idle window: times out.
         fresh_holders = {kind: fresh[kind][0](a) for kind in KINDS}
@@ -198,6 +240,8 @@ async def _configuration(make: Callable[[], Any], admin: Any, tag: str) -> dict[
         assert await b.get(f"{tag}-user") in (b"1", "1")
         report["ok"] = True
     except BaseException as exc:
+        if not arrived:
+            window_gate.drop_out()
         report["error"] = "".join(traceback.format_exception_only(exc)).strip()[-600:]
         report["trace"] = traceback.format_exc()[-3000:]
     finally:
@@ -237,40 +281,53 @@ asyncio.run(main())
 
 async def _exits(library: str, url: str, make: Callable[[], Any]) -> dict[str, Any]:
     """The clean exit after a cancellation, auto-pipelining on and off."""
-    report: dict[str, Any] = {}
     a = make()
+
+    async def exit_with(autopipe: str) -> dict[str, Any]:
+        name = f"exit-{autopipe}-{os.getpid()}"
+        holder = RedisMutex(a, name, ttl=TTL)
+        await holder.acquire()
+        env = {**os.environ, "AIOLOCKS_AUTOPIPELINE": autopipe}
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", _EXIT_PROGRAM, library, url, name],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        left = (await holder.inspect()).queue_length
+        await holder.release()
+        return {
+            "ok": done.returncode == 0 and left == 0 and not done.stderr.strip(),
+            "queue_left": left,
+            "stderr": done.stderr[-1500:],
+        }
+
     try:
-        for autopipe in ("1", "0"):
-            name = f"exit-{autopipe}-{os.getpid()}"
-            holder = RedisMutex(a, name, ttl=TTL)
-            await holder.acquire()
-            env = {**os.environ, "AIOLOCKS_AUTOPIPELINE": autopipe}
-            done = await asyncio.to_thread(
-                subprocess.run,
-                [sys.executable, "-c", _EXIT_PROGRAM, library, url, name],
-                capture_output=True, text=True, timeout=60, env=env,
-            )  # fmt: skip
-            left = (await holder.inspect()).queue_length
-            await holder.release()
-            report[f"autopipe={autopipe}"] = {
-                "ok": done.returncode == 0 and left == 0 and not done.stderr.strip(),
-                "queue_left": left,
-                "stderr": done.stderr[-1500:],
-            }
+        on, off = await asyncio.gather(exit_with("1"), exit_with("0"))
     finally:
         await a.aclose()
-    return report
+    return {"autopipe=1": on, "autopipe=0": off}
 
 
 async def run(library: str, url: str, unix: str, only: list[str] | None = None) -> dict[str, Any]:
     lib = importlib.import_module(f"{library}.asyncio")
     admin: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis").from_url(url)
     configs = configurations(library, url, unix)
-    results: dict[str, Any] = {}
+    chosen = {
+        name: (make, f"cfg{index}")
+        for index, (name, make) in enumerate(configs.items())
+        if only is None or name in only
+    }
     try:
-        for index, (name, make) in enumerate(configs.items()):
-            if only is None or name in only:
-                results[name] = await _configuration(make, admin, f"cfg{index}")
+        shared = _Window(admin, len(chosen))
+        reports = await asyncio.gather(
+            *(_configuration(make, admin, tag, shared) for make, tag in chosen.values())
+        )
+        results = dict(zip(chosen, reports, strict=True))
+        # A window with any command in it: each configuration measured alone, to name it.
+        if any(report["commands_while_waiting"] for report in reports):
+            for name, (make, tag) in chosen.items():
+                alone = await _configuration(make, admin, f"{tag}a", _Window(admin, 1))
+                results[name] = {**alone, "measured": "alone, after a shared window had commands"}
         exits = await _exits(library, url, configs["default"]) if only is None else {}
     finally:
         await admin.aclose()

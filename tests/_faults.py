@@ -165,13 +165,19 @@ class Contention:
         try:
             await asyncio.wait_for(asyncio.gather(*runs), timeout)
         finally:
-            for task in runs:
-                task.cancel()
-            if chaos_task is not None:
-                chaos_task.cancel()
-            await asyncio.gather(*runs, return_exceptions=True)
-            if chaos_task is not None:
-                await asyncio.gather(chaos_task, return_exceptions=True)
+            await stop_tasks([*runs, *([chaos_task] if chaos_task is not None else [])])
+
+
+async def stop_tasks(tasks: list[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` until every one has ended. Once is not always enough: on Python 3.11
+    redis-py 8.x sends each command under `asyncio.wait_for` (its default socket_timeout is
+    5 s), which returns the send's result when a cancellation lands as the send completes,
+    and a chaos loop then goes on sending for ever."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def settle(

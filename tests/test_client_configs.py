@@ -12,11 +12,11 @@ the user's own commands on the same clients still run. Per release, also a progr
 cancels a queued waiter and returns from `main` leaves no queue entry (auto-pipelining on
 and off) and writes nothing on stderr.
 
-One process per release runs every configuration in turn, against a server of its own (the
-command counts are the server's), all releases side by side: the matrix costs about as long
-as its slowest release (valkey-py's, whose 5 s default socket_timeout makes its windows
-longer): about 2 minutes. A release is installed once into the compat cache, as
-tests/test_compat.py does.
+One process per release runs its configurations side by side (one idle window for all of
+them), against a server of its own (the command counts are the server's), all releases side
+by side: the matrix costs about as long as one configuration on its slowest release
+(valkey-py's, whose 5 s default socket_timeout makes its window longer): about 15 s. A
+release is installed once into the compat cache, as tests/test_compat.py does.
 """
 
 from __future__ import annotations
