@@ -15,14 +15,25 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import anyio
 import pytest
 import redis.asyncio
 from _faultreport import record
 from _faults import KINDS, Kind, Side, leftovers, make_sides
+from _servers import ServerProcess
 
+from aiolocks import (
+    RedisElection,
+    RedisMultiLock,
+    RedisMutex,
+    RedisRateLimiter,
+    RedisReadWriteLock,
+    RedisRegistry,
+    RedisSemaphore,
+)
 from aiolocks._engine._cohort import cohorts_of
 from aiolocks._engine._context import context_for
 
@@ -178,3 +189,54 @@ async def test_a_cancellation_storm_leaves_only_the_fence_counter(
     fresh = make_sides(clients[1], kind, name, ttl=5)[-1].lock  # exclusive where there is one
     assert await fresh.acquire(blocking=False)  # at once: nothing stuck ahead of it
     await fresh.release()
+
+
+# Every query of every primitive, each a method call on one client.
+QUERIES: dict[str, Callable[[redis.asyncio.Redis], Coroutine[Any, Any, object]]] = {
+    "RedisMutex.locked": lambda c: RedisMutex(c, "q-mutex").locked(),
+    "RedisMutex.inspect": lambda c: RedisMutex(c, "q-mutex").inspect(),
+    "RedisSemaphore.inspect": lambda c: RedisSemaphore(c, "q-sem", limit=2).inspect(),
+    "RedisReadWriteLock.inspect": lambda c: RedisReadWriteLock(c, "q-rw").inspect(),
+    "RedisMultiLock.locked": lambda c: RedisMultiLock(c, ["q-a", "q-b"]).locked(),
+    "RedisRegistry.id_of": lambda c: RedisRegistry(c, "q-reg").id_of("x"),
+    "RedisRegistry.register": lambda c: RedisRegistry(c, "q-reg").register("x"),
+    "RedisElection.inspect": lambda c: RedisElection(c, "q-el").inspect(),
+    "RedisRateLimiter.inspect": lambda c: RedisRateLimiter(c, "q-rl", rate=10).inspect(),
+}
+
+
+async def test_a_cancelled_query_is_never_swallowed(valkey_notify: ServerProcess) -> None:
+    """`task.cancel()` of every query, at random points: none returns normally. With a
+    `socket_timeout` (redis-py 8.x's default is 5 s), redis-py sends each command under
+    `asyncio.wait_for`, which on Python 3.11 returns the send's result and drops a
+    cancellation that arrives as the send completes; the engine delivers it again."""
+    rng = random.Random(20261128)
+    client = redis.asyncio.Redis.from_url(valkey_notify.url, socket_timeout=5)
+    outcomes: dict[str, Counter[str]] = {name: Counter() for name in QUERIES}
+    try:
+        await client.flushall()
+        for name, query in QUERIES.items():
+            await query(client)  # scripts loaded, connections open: the cancel lands in I/O
+            for _ in range(120):
+                task = asyncio.create_task(query(client))
+                await asyncio.sleep(rng.random() * 0.0008)  # a query takes about 1 ms
+                requested = task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    outcomes[name]["cancelled"] += 1
+                else:
+                    outcomes[name]["swallowed" if requested else "completed"] += 1
+    finally:
+        await client.aclose()
+    swallowed = {name: c["swallowed"] for name, c in outcomes.items() if c["swallowed"]}
+    record(
+        "5 cancellation storm",
+        trials=sum(c["cancelled"] + c["swallowed"] for c in outcomes.values()),
+        violations=sum(swallowed.values()),
+        orphaned=0,
+        note="queries, task.cancel(): "
+        + ", ".join(f"{n} {c['cancelled']}/{sum(c.values())}" for n, c in outcomes.items()),
+    )
+    assert swallowed == {}, outcomes
+    assert all(c["cancelled"] > 0 for c in outcomes.values()), outcomes

@@ -14,6 +14,8 @@ from typing import Any
 
 import redis.exceptions
 
+from ._cancel import pending, redeliver
+
 _valkey_exceptions: Any
 try:
     import valkey.exceptions as _valkey_exceptions
@@ -127,21 +129,25 @@ def _access_cause(exc: Exception) -> str:
 class map_redis_errors:
     """Translate redis-py's (and valkey-py's) errors: refused credentials or permissions
     into `AccessDenied`, connection and timeout errors (and a reply that is not Redis
-    protocol) into `ServerUnavailable`. A class, not a generator: one object per use (it
-    wraps every acquisition in flight)."""
+    protocol) into `ServerUnavailable`; and a cancellation that redis-py swallowed
+    (`_cancel`: its `wait_for` on Python 3.11) delivered again when the block ends. A
+    class, not a generator: one object per use (it wraps every acquisition in flight)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("_before", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._before = 0
 
     def __enter__(self) -> None:
-        return None
+        self._before = pending()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        if isinstance(exc, Exception):
+        if exc is None:
+            redeliver(self._before)
+        elif isinstance(exc, Exception):
             translated = _translated(self.name, exc)
             if translated is not None:
                 raise translated from exc

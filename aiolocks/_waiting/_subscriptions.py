@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import redis.exceptions
 
 from .._base import _adapter
-from .._base._cancel import cancelling
+from .._base._cancel import cancelling, pending, redeliver
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import REDIS_ERRORS
 from . import _serverfacts
@@ -221,9 +221,13 @@ class Subscriptions:
 
     async def _read(self, link: Link) -> None:
         delay = _RETRY_MIN
+        before = pending()
         while self._routed(link) or link.unsubscribing:
             try:
                 message = await link.pubsub.get_message(timeout=None)
+                # A read that re-connected re-subscribes, and redis-py's `wait_for` around
+                # that write may swallow aclose's cancellation (Python 3.11): not ours.
+                redeliver(before)
                 delay = _RETRY_MIN
             except asyncio.CancelledError:
                 # Shutdown (aclose, or the loop closing): close the connection too.
