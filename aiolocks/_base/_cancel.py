@@ -20,8 +20,12 @@ __all__ = ["cancelling", "pending", "redeliver"]
 
 
 def pending() -> int:
-    """How many cancellation requests of the current task are pending (0 outside a task)."""
-    task = asyncio.current_task()
+    """How many cancellation requests of the current task are pending (0 outside a task,
+    and outside a running loop: `map_redis_errors` also wraps synchronous code)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return 0
     return 0 if task is None else task.cancelling()
 
 
