@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio
+import redis.exceptions
 from _faultreport import record
 from _faults import KINDS, Contention, Kind, audit, close_client, make_sides
 from _history import HistoryLog
@@ -18,6 +19,8 @@ from _servers import ServerProcess
 from conftest import VARIANTS, ServerPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+
+from aiolocks._waiting._pubsub import _Once
 
 pytestmark = pytest.mark.faults
 
@@ -105,3 +108,21 @@ async def test_client_kill_at_random_during_a_contended_run(
     finally:
         for client in clients:
             await close_client(client)
+
+
+async def test_a_subscribe_written_on_a_connection_closed_under_it_is_a_lost_connection() -> None:
+    """redis-py 8.1 writes on a pub/sub connection that the reader saw killed as
+    `None.writelines`; it reached `acquire()` as an AttributeError (seen once in eight
+    pub/sub-kill runs). The link's retry policy reports it as the lost connection it is;
+    any other AttributeError is still a bug and passes through."""
+
+    async def closed() -> None:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    async def bug() -> None:
+        raise AttributeError("'Link' object has no attribute 'nothing'")
+
+    with pytest.raises(redis.exceptions.ConnectionError, match="connection closed"):
+        await _Once().call_with_retry(closed, None)
+    with pytest.raises(AttributeError, match="nothing"):
+        await _Once().call_with_retry(bug, None)

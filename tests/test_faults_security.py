@@ -76,12 +76,14 @@ async def _exercise(clients: list[redis.asyncio.Redis], name: str) -> None:
     """Every primitive through `clients`: contended hand-offs across clients (grant
     messages), renewals, inspect/locked, set_limit."""
     first, second = clients
-    mutexes = [RedisMutex(client, f"{name}-m", ttl=1) for client in clients]
+    # ttl 2 s: a heartbeat is due every 2/3 s, and a loaded machine (a third test worker
+    # on two cores) once let a 1 s queue entry lapse before its heartbeat was sent.
+    mutexes = [RedisMutex(client, f"{name}-m", ttl=2) for client in clients]
     assert await mutexes[0].acquire()
     probe = QueueProbe(second)
     waiting = asyncio.create_task(mutexes[1].acquire(timeout=10))
     await probe.wait_queued(1, 5)
-    await asyncio.sleep(1.2)  # past the ttl: the lease and the queue entry live on renewals
+    await asyncio.sleep(2.3)  # past the ttl: the lease and the queue entry live on renewals
     assert await mutexes[0].locked() and (await mutexes[0].inspect()).queue_length == 1
     await mutexes[0].release()
     assert await asyncio.wait_for(waiting, 5)  # handed over by a grant message

@@ -80,6 +80,13 @@ except ImportError:  # valkey-py is optional
 _NAMED: dict[type, bool] = {}
 
 
+def closed_under_us(exc: BaseException) -> bool:
+    """redis-py 8.1 writing on a connection that a concurrent read (or a Cluster topology
+    refresh) closed under it: `'NoneType' object has no attribute 'writelines'`. That is a
+    lost connection, with nothing written, not a bug of the caller's."""
+    return isinstance(exc, AttributeError) and "writelines" in str(exc)
+
+
 async def pooled_connection(pool: Any) -> Any:
     """A connection of `pool`, for the caller's own use until it is released to the pool."""
     kind = type(pool)

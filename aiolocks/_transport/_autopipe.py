@@ -209,9 +209,7 @@ class AutoPipeline:
             await connection.send_packed_command(packed, check_health=False)
         except BaseException as exc:  # redis-py closed the connection
             failure = exc
-            if isinstance(exc, AttributeError):
-                # redis-py 8.1 writes on a connection closed under it (a reader saw it
-                # drop) as `None.writelines`: that is a lost connection, not a bug here.
+            if _adapter.closed_under_us(exc):  # a lost connection, not a bug here
                 failure = redis.exceptions.ConnectionError(f"connection closed: {exc}")
             link.mark_broken(failure)
         finally:

@@ -211,7 +211,7 @@ class ScriptRunner:
         try:
             return await execute(*args, **options)
         except AttributeError as exc:
-            if "writelines" not in str(exc):
+            if not _adapter.closed_under_us(exc):
                 raise
             log.debug("aiolocks: redis-py closed a connection under a command; sending again")
             return await execute(*args, **options)

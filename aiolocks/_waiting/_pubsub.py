@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -135,10 +136,17 @@ class Link:
 
 
 class _Once(Retry):
-    """A retry policy that tries once and never re-connects on failure."""
+    """A retry policy that tries once and never re-connects on failure; a write on a
+    connection closed under it (CLIENT KILL seen by the reader) fails as a lost
+    connection, which the waiters recover from, not as redis-py 8.1's AttributeError."""
 
     def __init__(self) -> None:
         super().__init__(NoBackoff(), 0)
 
     async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
-        return await do()
+        try:
+            return await do()
+        except AttributeError as exc:
+            if not _adapter.closed_under_us(exc):
+                raise
+            raise redis.exceptions.ConnectionError(f"connection closed: {exc}") from exc
