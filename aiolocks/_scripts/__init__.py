@@ -46,10 +46,8 @@ def _blocks(prelude: str) -> list[tuple[frozenset[str], str]]:
 
 
 _PRELUDE_BLOCKS = _blocks(_PRELUDE)
-_BLOCK_WORDS = [frozenset(re.findall(r"\w+", block)) for _, block in _PRELUDE_BLOCKS]
-
-
 _WORDS = re.compile(r"\w+")
+_BLOCK_WORDS = [frozenset(_WORDS.findall(block)) for _, block in _PRELUDE_BLOCKS]
 
 
 def _needed_prelude(body: str) -> str:
