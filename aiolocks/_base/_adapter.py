@@ -87,6 +87,14 @@ def closed_under_us(exc: BaseException) -> bool:
     return isinstance(exc, AttributeError) and "writelines" in str(exc)
 
 
+def read_beside_the_reader(exc: BaseException) -> bool:
+    """redis-py re-connecting a pub/sub connection for a SUBSCRIBE (its handshake reads a
+    reply) while the reader task's read on it is pending, after the connection was killed:
+    asyncio's `read() called while another coroutine is already waiting`. The link is
+    down; the reader re-connects and re-subscribes."""
+    return isinstance(exc, RuntimeError) and "another coroutine is already waiting" in str(exc)
+
+
 async def pooled_connection(pool: Any) -> Any:
     """A connection of `pool`, for the caller's own use until it is released to the pool."""
     kind = type(pool)

@@ -137,8 +137,9 @@ class Link:
 
 class _Once(Retry):
     """A retry policy that tries once and never re-connects on failure; a write on a
-    connection closed under it (CLIENT KILL seen by the reader) fails as a lost
-    connection, which the waiters recover from, not as redis-py 8.1's AttributeError."""
+    connection closed under it (CLIENT KILL seen by the reader), or a re-connection whose
+    handshake reads beside the reader, fails as a lost connection, which the waiters
+    recover from, not as redis-py 8.1's AttributeError or asyncio's RuntimeError."""
 
     def __init__(self) -> None:
         super().__init__(NoBackoff(), 0)
@@ -146,7 +147,7 @@ class _Once(Retry):
     async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return await do()
-        except AttributeError as exc:
-            if not _adapter.closed_under_us(exc):
+        except (AttributeError, RuntimeError) as exc:
+            if not (_adapter.closed_under_us(exc) or _adapter.read_beside_the_reader(exc)):
                 raise
             raise redis.exceptions.ConnectionError(f"connection closed: {exc}") from exc
