@@ -110,7 +110,7 @@ class ClientContext(ScriptRunner):
     def __init__(self, client: AnyRedis) -> None:
         super().__init__(client)
         self.waitqueue = WaitQueue()
-        self.notifier = Notifier(self.engine, self.waitqueue, self.run)
+        self.notifier = Notifier(self.engine, self.waitqueue, self.weak_run())
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see _gate.py).
         self.releases = Gate(RELEASES_IN_FLIGHT)

@@ -52,15 +52,19 @@ class AutoPipeline:
     cancelled later stops waiting, and the batch goes on for the others.
     """
 
-    def __init__(self, pool: ConnectionPool, sent: Callable[[int], None]) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
-        self._sent = sent
         self._queue: collections.deque[Call] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
         self._link: Link | None = None
         self._flushing = False  # a `_flush` is scheduled
         self._closed = False  # `aclose()` was called: no new link is opened
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
+        self.commands_sent = 0  # calls written
+
+    def _count(self, commands: int) -> None:
+        """Count `commands` as written (just before the batch is written)."""
+        self.commands_sent += commands
 
     def call(
         self,
@@ -101,7 +105,7 @@ class AutoPipeline:
             if not batch:
                 return
             self.batches_sent += 1
-            self._sent(len(batch))
+            self._count(len(batch))
             connection = link.connection
             try:
                 packed = self._pack(connection, batch)
@@ -200,7 +204,7 @@ class AutoPipeline:
         """Write `batch` on `link`; its reader takes it from there (only once it is all
         written: a reply read before would come from a connection still being opened)."""
         self.batches_sent += 1
-        self._sent(len(batch))
+        self._count(len(batch))
         connection = link.connection
         packed = self._pack(connection, batch)
         failure: BaseException | None = None
