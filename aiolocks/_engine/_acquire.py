@@ -18,7 +18,7 @@ or the clean-up:
 "granted ─> done" is "─> TRY" instead for a grant learnt too late to trust its lease
 (`_confirm.LateGrants`: the script re-run confirms it). However it ends (a grant, a miss,
 an error, a cancellation), `_Acquisition.leave` takes the waiter out of the local queue
-and, if the server may hold state for the token, withdraws it (`_withdraw.withdraw`).
+and, if the server may hold state for the token, withdraws it (`_release.withdraw`).
 """
 
 from __future__ import annotations
@@ -54,11 +54,18 @@ from .._base._spec import (
     first_grant,
 )
 from .._waiting._lot import Waiter, Wake
-from ._awaiting import bounded, unstopped
 from ._confirm import LateGrants
 from ._context import ClientContext
-from ._release import wake_granted
-from ._withdraw import CLEANUP_BOUND, GRACE, answered, background_release, withdraw
+from ._release import (
+    CLEANUP_BOUND,
+    GRACE,
+    answered,
+    background_release,
+    bounded,
+    unstopped,
+    wake_granted,
+    withdraw,
+)
 
 __all__ = ["TRY_BOUND", "acquire"]
 

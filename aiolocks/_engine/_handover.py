@@ -15,7 +15,7 @@ import time
 from .._base import _spec, _telemetry
 from .._base._errors import LockError, LockLost, LockReentry, map_redis_errors
 from .._base._handle import LockHandle
-from . import _awaiting, _withdraw
+from . import _release
 from ._context import context_for
 from ._holding import current_task
 from ._lockcore import LockCore
@@ -58,7 +58,7 @@ async def adopt(lock: LockCore, handle: LockHandle) -> None:
     script, keys = lock._adopt_call()
     sent_at = time.monotonic()
     pending = context.run(script, keys, (handle.token, token, lock._ttl_ms))
-    in_flight = _awaiting.unstopped(context, pending)  # no auto-pipeline: see there
+    in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
     try:
         with map_redis_errors(lock._name):
             taken = await (pending if in_flight is None else asyncio.shield(in_flight))
@@ -67,8 +67,8 @@ async def adopt(lock: LockCore, handle: LockHandle) -> None:
         # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
         # background.
         release = functools.partial(lock._release_call, context, token)
-        after = None if in_flight is None else _awaiting.settled(in_flight)
-        await _withdraw.withdraw(
+        after = None if in_flight is None else _release.settled(in_flight)
+        await _release.withdraw(
             context, lock._spec, token, lock._ttl_ms, None, release, after=after
         )
         raise

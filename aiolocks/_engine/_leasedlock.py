@@ -29,7 +29,7 @@ from .._base._errors import (
 )
 from .._base._handle import LockHandle
 from .._base._query import AsyncWithOnly
-from . import _acquire, _awaiting, _handover, _withdraw
+from . import _acquire, _handover, _release
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
 from ._holding import Holding, current_task
@@ -161,8 +161,8 @@ class LeasedLock(LockCore, AsyncWithOnly):
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
-            until = time.monotonic() + _withdraw.GRACE
-            await _withdraw.withdraw(
+            until = time.monotonic() + _release.GRACE
+            await _release.withdraw(
                 context, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
             )
             raise self._lost_error(holding)
@@ -185,7 +185,7 @@ class LeasedLock(LockCore, AsyncWithOnly):
                         holding, "its validity ended before its release (cancelled) was answered"
                     )
                 raise
-            if isinstance(answer, _awaiting.Unanswered):
+            if isinstance(answer, _release.Unanswered):
                 raise self._lost_at_release(
                     holding,
                     "Redis did not answer its release before the lease's validity ended "

@@ -21,7 +21,7 @@ from .._base._errors import LockLost, LockNotOwned
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._leases._lease import Lease, LeaseOwner
 from .._scripts import Script
-from . import _awaiting, _release, _withdraw
+from . import _release
 from ._context import ClientContext
 from ._holding import Holding, current_task
 from ._settings import (
@@ -123,16 +123,16 @@ class LockCore:
 
     async def _release_surely(
         self, context: ClientContext, holding: Holding
-    ) -> bool | _awaiting.Unanswered | None:
+    ) -> bool | _release.Unanswered | None:
         """`_release_call` for `holding`, completed even if the caller is cancelled
         meanwhile; its lease is renewed until the release is answered, which is waited for
         while the lease is known valid (`Unanswered` past it, the release going on in the
         background)."""
         if holding.lease is None:
             self._stop_renewal(context, holding)
-            return await _withdraw.release_surely(context, self._spec, holding.token, self._ttl_ms)
+            return await _release.release_surely(context, self._spec, holding.token, self._ttl_ms)
         lease = holding.lease
-        return await _withdraw.release_until(
+        return await _release.release_until(
             context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
         )
 

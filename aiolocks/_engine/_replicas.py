@@ -11,7 +11,7 @@ import asyncio
 
 from .._base import _spec
 from .._base._errors import LockLost, NotReplicated, map_redis_errors
-from . import _awaiting, _confirm, _release, _withdraw
+from . import _confirm, _release
 from ._context import ClientContext
 from ._lockcore import LockCore
 
@@ -25,7 +25,7 @@ async def confirm_replicated(lock: LockCore, context: ClientContext, grant: _spe
     spec, ttl_ms, replicas = lock._spec, lock._ttl_ms, lock._replicas
     # The acquire script again (it may grant the token anew), on a pooled connection of its
     # own even with auto-pipelining: in a task that leaving does not stop, and the give-back
-    # is sent after its reply (`_awaiting.unstopped`).
+    # is sent after its reply (`_release.unstopped`).
     confirming = _confirm.confirm(
         context, spec, grant.token, ttl_ms, replicas, lock._replica_timeout_ms
     )
@@ -39,9 +39,9 @@ async def confirm_replicated(lock: LockCore, context: ClientContext, grant: _spe
             )
         if acked < replicas:
             given_back = True
-            await _awaiting.shielded(
+            await _release.shielded(
                 lambda: _release.release(context, spec, grant.token, ttl_ms),
-                _withdraw.CLEANUP_BOUND,
+                _release.CLEANUP_BOUND,
             )
             raise NotReplicated(
                 lock._name,
@@ -51,7 +51,7 @@ async def confirm_replicated(lock: LockCore, context: ClientContext, grant: _spe
             )
     except BaseException:
         if not given_back:
-            await _withdraw.withdraw(
-                context, spec, grant.token, ttl_ms, None, after=_awaiting.settled(in_flight)
+            await _release.withdraw(
+                context, spec, grant.token, ttl_ms, None, after=_release.settled(in_flight)
             )
         raise
