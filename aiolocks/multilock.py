@@ -25,12 +25,11 @@ from ._base._errors import LockLost, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, validate_name
 from ._base._query import query
 from ._base._telemetry import Counters
-from ._engine import _acquire, _confirm, _release
+from ._engine import _acquire, _release
 from ._engine._context import ClientContext
-from ._engine._holding import Holding
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_TTL, LostCallback
-from ._leases._lease import Callbacks, Lease
+from ._leases._lease import Callbacks, Holding, Lease
 from ._scripts import load
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 
@@ -219,7 +218,7 @@ class RedisMultiLock(LeasedLock):
             raise
         if int(reply[0]) != 1:
             return []
-        if _confirm.late_grant(sent_at, self._ttl_ms):
+        if _acquire.late_grant(sent_at, self._ttl_ms):
             taken.unconfirmed = True
             return []
         grants = [_spec.Grant(token, int(fence), sent_at) for fence in reply[1:]]

@@ -24,10 +24,9 @@ from typing import Any, Protocol
 
 from .._base import _telemetry
 from .._base._spec import Grant, Spec
-from .._leases._lease import Callbacks, Lease, LeaseOwner, validity
+from .._leases._lease import Callbacks, Holding, Lease, LeaseOwner, validity
 from . import _release
 from ._context import ClientContext
-from ._holding import Holding
 from ._release import Unanswered
 
 __all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
