@@ -345,7 +345,7 @@ async def release_until(
     included, runs the validity out. A loss the keeper finds meanwhile is reported by the
     release's answer (or by its validity ending), not by the keeper. At most
     `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
-    (`_gate.py`), their validity followed from when they have one."""
+    (`_context.Gate`), their validity followed from when they have one."""
     if lease is not None:
         lease.releasing = True  # the keeper renews it on, but reports no loss of it
     bound: _ValidityBound | None = None

@@ -24,7 +24,7 @@ from ._lease import HeartbeatGroup, Lease
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
 
 if TYPE_CHECKING:
-    from .._transport._pipecall import Staged
+    from .._transport._autopipe import Staged
 
 __all__ = [
     "BATCH",

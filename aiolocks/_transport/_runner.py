@@ -21,8 +21,7 @@ from .._base import _adapter, _cancel
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
 from .._scripts import Script
-from ._autopipe import AutoPipeline
-from ._pipecall import Staged, command
+from ._autopipe import AutoPipeline, Staged, command
 
 __all__ = ["AUTOPIPELINE_ENV", "ScriptRunner", "autopipelining"]
 
