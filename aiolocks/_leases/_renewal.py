@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions
 from redis.crc import key_slot
 
-from .._base._cancel import cancelling
+from .._base._errors import cancelling
 from .._waiting._lot import Waiter
 from ._lease import HeartbeatGroup, Lease
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
