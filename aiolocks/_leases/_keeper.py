@@ -27,7 +27,7 @@ from ._lease import HeartbeatGroup, Lease, validity
 from ._renewal import BATCH, Outcomes, renew
 
 if TYPE_CHECKING:
-    from .._transport._pipecall import Staged
+    from .._transport._autopipe import Staged
 
 __all__ = ["LeaseKeeper", "Runner"]
 
@@ -308,7 +308,7 @@ class LeaseKeeper:
         lease.queued = None
         lease.lost = True
         if lease.releasing:
-            return  # its release reports it (see `_withdraw.release_until`)
+            return  # its release reports it (see `_release.release_until`)
         try:
             lease.owner.lease_lost(reason)
         except Exception:  # a holder's callback must never kill the keeper
