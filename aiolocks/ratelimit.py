@@ -19,8 +19,8 @@ from ._base._clients import AnyRedis, ensure_async_client
 from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._base._query import AsyncWithOnly
-from ._engine import _awaiting
 from ._engine._context import ClientContext, context_for
+from ._engine._release import shielded
 from ._engine._settings import validate_timeout
 from ._scripts import load
 
@@ -308,9 +308,7 @@ class RedisRateLimiter(AsyncWithOnly):
         """Once the reservation's reply is in, give its slot back; awaited by the cancelled
         caller (shielded, at most `_GIVE_BACK_BOUND` seconds) before its CancelledError goes
         on, so that its own next reservation cannot land first and make the slot lost."""
-        await _awaiting.shielded(
-            lambda: self._giving_back(context, in_flight, cost), _GIVE_BACK_BOUND
-        )
+        await shielded(lambda: self._giving_back(context, in_flight, cost), _GIVE_BACK_BOUND)
 
     async def _giving_back(
         self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
