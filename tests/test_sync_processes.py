@@ -63,7 +63,7 @@ async def enqueued(r: redis.asyncio.Redis, name: str) -> AsyncIterator[asyncio.Q
         listener.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await listener
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 async def users(spawn: Spawn, url: str, modes: list[str]) -> list[Worker]:
@@ -118,7 +118,7 @@ async def test_fifo_across_threads_and_tasks(
     for worker, _ in plan:
         await worker.expect("done", BOUND)
     await finish([sync_a, async_b, sync_c, async_d])
-    order = [entry.decode().split() for entry in await r.lrange("order", 0, -1)]
+    order = [bytes(entry).decode().split() for entry in await r.lrange("order", 0, -1)]
     assert [ident for ident, _ in order] == [ident for _, ident in plan]
     fences = [int(fence) for _, fence in order]
     assert all(a < b for a, b in itertools.pairwise(fences))
