@@ -118,7 +118,8 @@ async def test_fifo_across_threads_and_tasks(
     for worker, _ in plan:
         await worker.expect("done", BOUND)
     await finish([sync_a, async_b, sync_c, async_d])
-    order = [bytes(entry).decode().split() for entry in await r.lrange("order", 0, -1)]
+    entries: list[bytes] = await r.lrange("order", 0, -1)  # type: ignore[assignment]
+    order = [entry.decode().split() for entry in entries]
     assert [ident for ident, _ in order] == [ident for _, ident in plan]
     fences = [int(fence) for _, fence in order]
     assert all(a < b for a, b in itertools.pairwise(fences))
