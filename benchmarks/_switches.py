@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiolocks import mutex, registry
-from aiolocks._engine import _confirm
+from aiolocks._engine import _acquire
 from aiolocks._leases import _keeper, _renewal
 from aiolocks._transport import _autopipe
 from aiolocks._waiting import _subscriptions
@@ -95,8 +95,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",
-        "aiolocks._engine._confirm._MAX_CONFIRMS = 0",
-        _set(_confirm, "_MAX_CONFIRMS", 0),
+        "aiolocks._engine._acquire._MAX_CONFIRMS = 0",
+        _set(_acquire, "_MAX_CONFIRMS", 0),
     ),
     "registry_coalescing": Switch(
         "concurrent register() calls of a client share script calls (the Coalescer)",

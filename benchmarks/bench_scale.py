@@ -471,7 +471,7 @@ async def burst_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # The worker's aiolocks: this tree's or --tree's (before the acquire split, the
     # background clean-ups were in _acquire).
     try:
-        from aiolocks._engine import _withdraw as cleanups
+        from aiolocks._engine import _release as cleanups
     except ImportError:
         from aiolocks._engine import _acquire as cleanups  # type: ignore[no-redef]
 

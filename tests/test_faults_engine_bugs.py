@@ -35,7 +35,7 @@ from aiolocks import (
     ServerUnavailable,
     multilock,
 )
-from aiolocks._engine import _acquire, _withdraw
+from aiolocks._engine import _acquire, _release
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
 from aiolocks._scripts import Script
@@ -409,7 +409,7 @@ async def test_a_blackholed_link_does_not_hold_every_script_call(
 
 async def _background_done(timeout: float) -> None:
     """Wait (bounded) for the clean-ups left to finish in the background."""
-    pending = list(_withdraw._BACKGROUND)
+    pending = list(_release._BACKGROUND)
     if pending:
         await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
 

@@ -123,7 +123,7 @@ class ClientContext(ScriptRunner):
         # layer above ends its own timers and tasks with it (the election observers' hubs).
         self.on_stop: list[Callable[[], None]] = []
         self.closed = False
-        # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
+        # Clean-ups left to finish in the background (see `_release.withdraw`): the end of
         # the loop waits for them.
         self.cleanups: set[asyncio.Future[Any]] = set()
         # Clean-ups cancelled by the loop's end before they finished (asyncio.run cancels

@@ -308,7 +308,7 @@ class LeaseKeeper:
         lease.queued = None
         lease.lost = True
         if lease.releasing:
-            return  # its release reports it (see `_withdraw.release_until`)
+            return  # its release reports it (see `_release.release_until`)
         try:
             lease.owner.lease_lost(reason)
         except Exception:  # a holder's callback must never kill the keeper

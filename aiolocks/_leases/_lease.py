@@ -1,4 +1,5 @@
-"""What the lease keeper keeps alive: a held `Lease`, and a `HeartbeatGroup` of waiters.
+"""What the lease keeper keeps alive: a held `Lease` (and the `Holding` that owns it: one
+acquisition of one task), and a `HeartbeatGroup` of waiters.
 
 Each lease keeps a conservative local validity on the monotonic clock, counted from when
 the request that granted or last renewed it was *sent* (`validity`); when a renewal finds
@@ -8,6 +9,7 @@ reported lost (to its `owner`), never silently dropped.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,7 +20,16 @@ if TYPE_CHECKING:
     from .._waiting._lot import Waiter
     from ._renewbatch import Entry
 
-__all__ = ["Callbacks", "HeartbeatGroup", "Lease", "LeaseOwner", "validity"]
+__all__ = [
+    "Callbacks",
+    "HeartbeatGroup",
+    "Holding",
+    "Lease",
+    "LeaseOwner",
+    "Owner",
+    "current_task",
+    "validity",
+]
 
 # Validity is shortened by this much of the ttl (plus 2 ms) to allow for clock drift
 # between this host and the server, as in the Redlock analysis.
@@ -94,6 +105,103 @@ class Lease:
     @property
     def remaining(self) -> float:
         return max(0.0, self.valid_until - time.monotonic())
+
+
+class Owner(Protocol):
+    """What a holding calls on the lock it belongs to (its lease's two callbacks)."""
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None: ...
+
+    async def _give_back_holding(self, holding: Holding) -> bool | None: ...
+
+
+class Holding:
+    """One acquisition: owned by one task, with its own token, fence and lease.
+
+    Kept small, as a process may hold 100,000 at once and the garbage collector goes
+    through every one at each full collection: the `lost` event is made only when asked
+    for, and the `async with` body is cancelled through its task, without a cancel scope.
+    """
+
+    __slots__ = (
+        "body",
+        "cancelled",
+        "cap",
+        "fence",
+        "lease",
+        "lock",
+        "lost_event",
+        "lost_reason",
+        "task",
+        "token",
+    )
+
+    def __init__(self, lock: Owner, task: asyncio.Task[Any], token: str, fence: int) -> None:
+        self.lock = lock
+        self.task = task
+        self.token = token
+        self.fence = fence
+        self.lease: Lease | None = None
+        self.lost_reason: str | None = None  # set once: the holding is lost
+        self.lost_event: asyncio.Event | None = None
+        self.cap: asyncio.TimerHandle | None = None  # ends it at `max_hold`
+        self.body = False  # its task is in the body of `async with`: a loss cancels it
+        self.cancelled = False  # a loss cancelled its task (to be taken back at the exit)
+
+    @property
+    def is_lost(self) -> bool:
+        return self.lost_reason is not None
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set when the holding is lost; made when first asked for."""
+        if self.lost_event is None:
+            self.lost_event = asyncio.Event()
+            if self.lost_reason is not None:
+                self.lost_event.set()
+        return self.lost_event
+
+    def mark_lost(self, reason: str) -> None:
+        """Record the loss and set the `lost` event, if one was made."""
+        self.lost_reason = reason
+        if self.lost_event is not None:
+            self.lost_event.set()
+
+    def cancel_body(self) -> None:
+        """Cancel the task's `async with` body at the loss, as a cancel scope would: at
+        once if the task waits, else at its next wait (never the task's own clean-up)."""
+        if not self.body or self.cancelled:
+            return
+        if self.task is asyncio.current_task():
+            asyncio.get_running_loop().call_soon(self.cancel_body)
+            return
+        self.cancelled = True
+        self.task.cancel()
+
+    def end_body(self) -> None:
+        """The body has ended: the cancellation `cancel_body` asked for is taken back (as
+        a cancel scope's exit does), so that only others' requests stay counted."""
+        self.body = False
+        if self.cancelled:
+            self.cancelled = False
+            self.task.uncancel()
+
+    # As its lease's owner (`LeaseOwner`): the lease calls these on the holding
+    # itself, so no callback object is made per holding (a burst of 100,000 holdings would
+    # be that many more objects for every full collection of the garbage collector).
+    def lease_lost(self, reason: str) -> None:
+        self.lock._lease_lost(self, reason)
+
+    async def give_back(self) -> bool | None:
+        return await self.lock._give_back_holding(self)
+
+
+def current_task() -> asyncio.Task[Any]:
+    """The task that acquires, releases or hands over: holdings belong to it."""
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("aiolocks must be used from inside an asyncio task")
+    return task
 
 
 class HeartbeatGroup:

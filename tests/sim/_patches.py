@@ -61,7 +61,6 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     import fakeredis._socket._base as fr_base
     import fakeredis.commands_mixins.server_mixin as fr_server
 
-    import aiolocks._engine._holding
     import aiolocks._leases._lease
     import aiolocks._transport._runner
 
@@ -94,7 +93,7 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
         setattr(lease_cls, "valid_until", slot)  # noqa: B010 (a slot: mypy refuses the plain form)
     slot.recorder = recorder
 
-    holding_cls = aiolocks._engine._holding.Holding
+    holding_cls = aiolocks._leases._lease.Holding
     mark_lost: Callable[..., None] = getattr(holding_cls.mark_lost, "__wrapped_mark__", None) or (
         holding_cls.mark_lost
     )
