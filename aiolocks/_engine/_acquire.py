@@ -32,12 +32,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from .._base._cancel import cancelling
 from .._base._errors import (
     AUTHENTICATION_ERRORS,
     INVALID_RESPONSE_ERRORS,
     NOPERMISSION_ERRORS,
     REDIS_ERRORS,
+    cancelling,
 )
 from .._base._spec import (
     BUSY,

@@ -284,7 +284,8 @@ class LeasedLock(AsyncWithOnly):
         one try, the same as `blocking=False`. Raises `LockReentry` if the current task
         already holds this instance.
         """
-        timeout = validate_timeout(timeout)
+        if timeout is not None:  # (None, the common case, needs no check)
+            timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
         if timeout == 0:

@@ -28,8 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._base import _telemetry
-from .._base._cancel import cancelling
-from .._base._errors import AUTHENTICATION_ERRORS
+from .._base._errors import AUTHENTICATION_ERRORS, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec, first_grant
 from .._leases._lease import Lease
 from .._scripts import Script
@@ -345,7 +344,7 @@ async def release_until(
     included, runs the validity out. A loss the keeper finds meanwhile is reported by the
     release's answer (or by its validity ending), not by the keeper. At most
     `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
-    (`_gate.py`), their validity followed from when they have one."""
+    (`_context.Gate`), their validity followed from when they have one."""
     if lease is not None:
         lease.releasing = True  # the keeper renews it on, but reports no loss of it
     bound: _ValidityBound | None = None

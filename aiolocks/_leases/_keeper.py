@@ -27,7 +27,7 @@ from ._lease import HeartbeatGroup, Lease, validity
 from ._renewal import BATCH, Outcomes, renew
 
 if TYPE_CHECKING:
-    from .._transport._pipecall import Staged
+    from .._transport._autopipe import Staged
 
 __all__ = ["LeaseKeeper", "Runner"]
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import redis.exceptions
 from redis.crc import key_slot
 
-from .._base._cancel import cancelling
+from .._base._errors import cancelling
 from .._waiting._lot import Waiter
 from ._lease import HeartbeatGroup, Lease
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
 
 if TYPE_CHECKING:
-    from .._transport._pipecall import Staged
+    from .._transport._autopipe import Staged
 
 __all__ = [
     "BATCH",

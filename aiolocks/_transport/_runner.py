@@ -17,12 +17,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._base import _adapter, _cancel
+from .._base import _adapter
 from .._base._clients import AnyRedis, is_cluster
-from .._base._errors import CONNECTION_ERRORS, NOSCRIPT_ERRORS, TIMEOUT_ERRORS
+from .._base._errors import (
+    CONNECTION_ERRORS,
+    NOSCRIPT_ERRORS,
+    TIMEOUT_ERRORS,
+    pending_cancels,
+    redeliver_cancel,
+)
 from .._scripts import Script
-from ._autopipe import AutoPipeline
-from ._pipecall import Staged, command
+from ._autopipe import AutoPipeline, Staged, command
 
 __all__ = ["AUTOPIPELINE_ENV", "ScriptRunner", "autopipelining"]
 
@@ -101,7 +106,7 @@ class ScriptRunner:
         in the same loop iteration, in one pipeline on the runner's one connection.
         """
         await self._ready()
-        before = _cancel.pending()
+        before = pending_cancels()
         if self.autopipe is not None:
             reply = await self.autopipe.call(script, keys, args, retry, sent)
         else:
@@ -112,7 +117,7 @@ class ScriptRunner:
                     if not retry:
                         raise
                     reply = await self._evalsha(script, keys, args, sent)
-        _cancel.redeliver(before)
+        redeliver_cancel(before)
         return reply
 
     def _count_sent(self, commands: int) -> None:
@@ -180,7 +185,7 @@ class ScriptRunner:
 
         Calls the server answers NOSCRIPT are sent again, by EVAL, in a second round trip.
         """
-        before = _cancel.pending()
+        before = pending_cancels()
         results = await self._send(calls, by_source=False)
         missing = [
             index for index, result in enumerate(results) if isinstance(result, NOSCRIPT_ERRORS)
@@ -189,7 +194,7 @@ class ScriptRunner:
             retried = await self._send([calls[index] for index in missing], by_source=True)
             for index, result in zip(missing, retried, strict=True):
                 results[index] = result
-        _cancel.redeliver(before)
+        redeliver_cancel(before)
         return results
 
     async def _send(self, calls: list[Staged], *, by_source: bool) -> list[Any]:
