@@ -18,7 +18,7 @@ from typing import Any
 
 from aiolocks import mutex, registry
 from aiolocks._engine import _acquire
-from aiolocks._leases import _keeper, _renewal
+from aiolocks._leases import _keeper
 from aiolocks._transport import _autopipe
 from aiolocks._waiting import _subscriptions
 
@@ -73,7 +73,7 @@ def _no_registry_coalescing() -> None:
 
 
 def _no_renewal_batch() -> None:
-    _renewal.BATCH = 1  # leases per script call
+    _keeper.BATCH = 1  # leases per script call
     _set(_keeper, "BATCH", 1)()  # its imported copy (a round: 8 calls' worth)
 
 
@@ -110,8 +110,7 @@ SWITCHES: dict[str, Switch] = {
     ),
     "renewal_batch": Switch(
         "one renew_batch script call renews up to 250 leases",
-        "aiolocks._leases._renewal.BATCH = 1 and aiolocks._leases._keeper.BATCH = 1"
-        " (its round: 8 calls)",
+        "aiolocks._leases._keeper.BATCH = 1 (its round: 8 calls)",
         _no_renewal_batch,
     ),
     "cohorts": Switch(

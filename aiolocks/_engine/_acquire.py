@@ -53,7 +53,7 @@ from .._base._spec import (
     Spec,
     first_grant,
 )
-from .._leases._lease import validity
+from .._leases._keeper import validity
 from .._waiting._lot import Waiter, Wake
 from ._context import ClientContext
 from ._release import (

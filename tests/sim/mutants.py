@@ -137,7 +137,7 @@ MUTANTS = [
     # -- the lease keeper ---------------------------------------------------------------
     Mutant(
         "validity-without-drift",
-        "aiolocks/_leases/_lease.py",
+        "aiolocks/_leases/_keeper.py",
         "    return sent_at + ttl * (1 - _DRIFT) - 0.002",
         "    return sent_at + ttl",
         "a lease's validity without the clock-drift margin",
@@ -158,7 +158,7 @@ MUTANTS = [
     ),
     Mutant(
         "renewal-waits-past-validity",
-        "aiolocks/_leases/_renewal.py",
+        "aiolocks/_leases/_keeper.py",
         "    deadline = now + min(\n",
         "    deadline = now + 3600 + 0 * min(\n",
         "an unanswered renewal is waited for an hour, past the leases' validity",
