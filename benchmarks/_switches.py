@@ -19,7 +19,7 @@ from typing import Any
 from aiolocks import mutex, registry
 from aiolocks._engine import _acquire
 from aiolocks._leases import _keeper
-from aiolocks._transport import _autopipe
+from aiolocks._transport import _runner
 from aiolocks._waiting import _subscriptions
 
 ENV = "AIOLOCKS_BENCH_FLIP"
@@ -85,8 +85,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "direct_reads": Switch(
         "the auto-pipeline's replies parsed in the transport's callback, no reader task",
-        "aiolocks._transport._autopipe.DIRECT_READS = False",
-        _set(_autopipe, "DIRECT_READS", False),
+        "aiolocks._transport._runner.DIRECT_READS = False",
+        _set(_runner, "DIRECT_READS", False),
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",

@@ -54,7 +54,7 @@ from .._base._spec import (
     first_grant,
 )
 from .._leases._keeper import validity
-from .._waiting._lot import Waiter, Wake
+from .._waiting._waitqueue import Waiter, Wake
 from ._context import ClientContext
 from ._release import (
     CLEANUP_BOUND,

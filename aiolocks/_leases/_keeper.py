@@ -39,11 +39,11 @@ from .._base import _telemetry
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import REDIS_ERRORS, cancelling
 from .._scripts import Script
-from .._waiting._lot import Waiter
+from .._waiting._waitqueue import Waiter
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
 
 if TYPE_CHECKING:
-    from .._transport._autopipe import Staged
+    from .._transport._runner import Staged
 
 __all__ = [
     "BATCH",
