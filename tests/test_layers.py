@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engine", frozenset({"_engine"})),
     ("primitives", frozenset({"mutex", "semaphore", "rwlock", "registry", "multilock",
                               "election", "ratelimit"})),
-    ("on top", frozenset({"integrations", "cli", "otel", "testing", "", "__main__"})),
+    ("on top", frozenset({"integrations", "cli", "otel", "testing", "sync", "", "__main__"})),
 )  # fmt: skip
 
 
