@@ -183,6 +183,9 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
     session.run("python", "benchmarks/bench_primitives.py", *session.posargs)
     session.run("python", "benchmarks/bench_peers.py", *session.posargs)
+    session.run(
+        "python", "benchmarks/bench_sync.py", *(["--quick"] if "--quick" in session.posargs else [])
+    )
     session.run("python", "benchmarks/bench_registry.py")
     session.run("python", "benchmarks/bench_expiry.py")
     session.run("python", "benchmarks/bench_autopipe.py")

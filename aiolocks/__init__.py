@@ -15,7 +15,7 @@ from ._base._errors import LockTimeout as LockTimeout
 from ._base._errors import NotReplicated as NotReplicated
 from ._base._errors import ServerUnavailable as ServerUnavailable
 from ._base._handle import LockHandle as LockHandle
-from ._engine._statistics import LockStatistics as LockStatistics
+from ._engine._leasedlock import LockStatistics as LockStatistics
 from .election import ElectionInfo as ElectionInfo
 from .election import LeaderInfo as LeaderInfo
 from .election import RedisElection as RedisElection

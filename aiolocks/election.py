@@ -22,10 +22,10 @@ from ._base._clients import AnyRedis
 from ._base._errors import LockLost, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._engine._context import context_for
-from ._engine._holding import Holding
 from ._engine._leasedlock import LeasedLock
 from ._engine._observe import Hub, Observer, State, hub_for, info_fields
 from ._engine._settings import DEFAULT_TTL, LostCallback
+from ._leases._keeper import Holding
 from ._scripts import load
 
 __all__ = ["ElectionInfo", "LeaderInfo", "RedisElection", "Term"]

@@ -25,12 +25,11 @@ from ._base._errors import LockLost, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, validate_name
 from ._base._query import query
 from ._base._telemetry import Counters
-from ._engine import _acquire, _awaiting, _confirm, _release, _withdraw
+from ._engine import _acquire, _release
 from ._engine._context import ClientContext
-from ._engine._holding import Holding
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_TTL, LostCallback
-from ._leases._lease import Callbacks, Lease
+from ._leases._keeper import Callbacks, Holding, Lease
 from ._scripts import load
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 
@@ -201,7 +200,7 @@ class RedisMultiLock(LeasedLock):
                 return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
 
         pending = call()
-        in_flight = _awaiting.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
         try:
             shielded = pending if in_flight is None else asyncio.shield(in_flight)
             if deadline is None:
@@ -212,14 +211,14 @@ class RedisMultiLock(LeasedLock):
             # The script may have run: give back whatever the token may hold (after its
             # reply), awaited up to the deadline (a little past it), then in the background.
             taken.unconfirmed = True
-            after = None if in_flight is None else _awaiting.settled(in_flight)
+            after = None if in_flight is None else _release.settled(in_flight)
             await self._give_back(context, token, taken, deadline, after)
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
         if int(reply[0]) != 1:
             return []
-        if _confirm.late_grant(sent_at, self._ttl_ms):
+        if _acquire.late_grant(sent_at, self._ttl_ms):
             taken.unconfirmed = True
             return []
         grants = [_spec.Grant(token, int(fence), sent_at) for fence in reply[1:]]
@@ -252,7 +251,7 @@ class RedisMultiLock(LeasedLock):
         after: Awaitable[Any] | None = None,
     ) -> None:
         """Release every name `token` may hold, awaited until a little past `deadline` (or up
-        to CLEANUP_BOUND without one), then in the background, as `_withdraw.withdraw`; after
+        to CLEANUP_BOUND without one), then in the background, as `_release.withdraw`; after
         `after` (the reply of its call in flight)."""
         for lease in taken.leases:
             context.keeper.drop(lease)
@@ -261,8 +260,8 @@ class RedisMultiLock(LeasedLock):
         taken.fences.clear()
         taken.unconfirmed = False
         if specs:
-            until = None if deadline is None else max(deadline, time.monotonic()) + _withdraw.GRACE
-            await _withdraw.withdraw(
+            until = None if deadline is None else max(deadline, time.monotonic()) + _release.GRACE
+            await _release.withdraw(
                 context, specs[0], token, self._ttl_ms, until,
                 call=functools.partial(self._release_all, context, specs, token), after=after,
             )  # fmt: skip
@@ -297,7 +296,7 @@ class RedisMultiLock(LeasedLock):
 
     async def _release_surely(
         self, context: ClientContext, holding: Holding
-    ) -> bool | _awaiting.Unanswered | None:
+    ) -> bool | _release.Unanswered | None:
         # Bounded by the leases' validity (aligned), as a mutex's release; not renewed
         # meanwhile (one release call per name).
         self._stop_renewal(context, holding)
@@ -306,8 +305,8 @@ class RedisMultiLock(LeasedLock):
         self._taken.pop(token, None)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
-            return await _awaiting.completed(call())
-        return await _withdraw.release_until(
+            return await _release.completed(call())
+        return await _release.release_until(
             context, self._specs[0], token, self._ttl_ms, until, call
         )
 

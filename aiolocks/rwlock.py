@@ -12,9 +12,9 @@ from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._base._query import query
 from ._engine._context import context_for
-from ._engine._holding import Holding
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
+from ._leases._keeper import Holding
 from ._scripts import Script, load
 
 __all__ = ["RWLockInfo", "ReadLock", "RedisReadWriteLock", "WriteLock"]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiolocks import mutex, registry
-from aiolocks._engine import _confirm
-from aiolocks._leases import _keeper, _renewal
-from aiolocks._transport import _autopipe
+from aiolocks._engine import _acquire
+from aiolocks._leases import _keeper
+from aiolocks._transport import _runner
 from aiolocks._waiting import _subscriptions
 
 ENV = "AIOLOCKS_BENCH_FLIP"
@@ -73,7 +73,7 @@ def _no_registry_coalescing() -> None:
 
 
 def _no_renewal_batch() -> None:
-    _renewal.BATCH = 1  # leases per script call
+    _keeper.BATCH = 1  # leases per script call
     _set(_keeper, "BATCH", 1)()  # its imported copy (a round: 8 calls' worth)
 
 
@@ -85,8 +85,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "direct_reads": Switch(
         "the auto-pipeline's replies parsed in the transport's callback, no reader task",
-        "aiolocks._transport._autopipe.DIRECT_READS = False",
-        _set(_autopipe, "DIRECT_READS", False),
+        "aiolocks._transport._runner.DIRECT_READS = False",
+        _set(_runner, "DIRECT_READS", False),
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
@@ -95,8 +95,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",
-        "aiolocks._engine._confirm._MAX_CONFIRMS = 0",
-        _set(_confirm, "_MAX_CONFIRMS", 0),
+        "aiolocks._engine._acquire._MAX_CONFIRMS = 0",
+        _set(_acquire, "_MAX_CONFIRMS", 0),
     ),
     "registry_coalescing": Switch(
         "concurrent register() calls of a client share script calls (the Coalescer)",
@@ -110,8 +110,7 @@ SWITCHES: dict[str, Switch] = {
     ),
     "renewal_batch": Switch(
         "one renew_batch script call renews up to 250 leases",
-        "aiolocks._leases._renewal.BATCH = 1 and aiolocks._leases._keeper.BATCH = 1"
-        " (its round: 8 calls)",
+        "aiolocks._leases._keeper.BATCH = 1 (its round: 8 calls)",
         _no_renewal_batch,
     ),
     "cohorts": Switch(

@@ -18,7 +18,7 @@ from aiolocks.cli._connect import redacted
 
 # Records the charge unless a holder with a newer fence already wrote the order: the
 # storage, not the lease, has the last word.
-_RECORD_CHARGE = """
+RECORD_CHARGE = """
 local stored = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
 if tonumber(ARGV[1]) <= stored then return 0 end
 redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'amount', ARGV[2])
@@ -45,7 +45,7 @@ async def charge_order(
     if await client.hexists(key, "amount"):
         return "already_charged", 0
     amount = await payments.charge(order_id)
-    if not await client.eval(_RECORD_CHARGE, 1, key, fence, amount):
+    if not await client.eval(RECORD_CHARGE, 1, key, fence, amount):
         return "stale_fence", 0
     return "charged", amount
 

@@ -28,7 +28,7 @@ from aiolocks import (
     ServerUnavailable,
 )
 from aiolocks._engine._leasedlock import LeasedLock
-from aiolocks._engine._withdraw import _BACKGROUND
+from aiolocks._engine._release import _BACKGROUND
 
 __all__ = [
     "KINDS",

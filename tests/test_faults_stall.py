@@ -26,7 +26,7 @@ from _servers import ServerProcess
 from aiolocks import LockLost, LockTimeout, RedisMutex, ServerUnavailable
 from aiolocks._engine._acquire import TRY_BOUND
 from aiolocks._engine._leasedlock import LeasedLock
-from aiolocks._engine._withdraw import _BACKGROUND
+from aiolocks._engine._release import _BACKGROUND
 
 pytestmark = pytest.mark.faults
 

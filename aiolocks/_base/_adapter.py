@@ -1,11 +1,11 @@
 """Everything aiolocks needs from a client library beyond its documented API, in one place.
 
-The engine reads replies where they arrive (`_direct_reads`), takes a connection of a pool for
-its own use, subscribes to sharded channels, and looks whether a client still holds
-connections. redis-py documents none of that, and it has changed across the release lines
-aiolocks supports (redis-py 5.0 to 8.x, and valkey-py, its fork): the names below are the
-only ones in the package that touch a client library's private attributes, and
-tests/test_adapter.py checks each on every supported release (`nox -s compat`).
+The engine reads replies where they arrive (`_runner`'s direct reads), takes a
+connection of a pool for its own use, subscribes to sharded channels, and looks whether a
+client still holds connections. redis-py documents none of that, and it has changed across
+the release lines aiolocks supports (redis-py 5.0 to 8.x, and valkey-py, its fork): the
+names below are the only ones in the package that touch a client library's private
+attributes, and tests/test_adapter.py checks each on every supported release (`nox -s compat`).
 
 What differs by release, and how it is met here:
 - `ConnectionPool.get_connection()` takes a command name before redis-py 5.3 (required)

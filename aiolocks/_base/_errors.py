@@ -6,15 +6,25 @@ turns either into an aiolocks error.
 
 Every exception carries the primitive's name (and the token where it helps) and
 builds its own message, so callers never format one by hand.
+
+At the same boundary, a cancellation the client library swallowed is delivered again (the
+last section). On Python 3.11, `asyncio.wait_for` returns the result and drops a
+cancellation that arrives in the same loop iteration as the result (fixed in Python 3.12),
+and redis-py awaits it around every socket write when the client has a `socket_timeout`. A
+cancelled acquire would then return normally, and `asyncio.timeout` would not fire. The
+engine counts the task's pending cancellation requests before such a call and, if one
+arrived and was not delivered, raises `CancelledError` itself. `cancelling()` tells a
+background task whether an error it caught is its own cancellation in disguise.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
+import anyio
 import redis.exceptions
-
-from ._cancel import pending, redeliver
 
 _valkey_exceptions: Any
 try:
@@ -130,8 +140,9 @@ class map_redis_errors:
     """Translate redis-py's (and valkey-py's) errors: refused credentials or permissions
     into `AccessDenied`, connection and timeout errors (and a reply that is not Redis
     protocol) into `ServerUnavailable`; and a cancellation that redis-py swallowed
-    (`_cancel`: its `wait_for` on Python 3.11) delivered again when the block ends. A
-    class, not a generator: one object per use (it wraps every acquisition in flight)."""
+    (`redeliver_cancel`, below: its `wait_for` on Python 3.11) delivered again when the
+    block ends. A class, not a generator: one object per use (it wraps every acquisition
+    in flight)."""
 
     __slots__ = ("_before", "name")
 
@@ -140,13 +151,13 @@ class map_redis_errors:
         self._before = 0
 
     def __enter__(self) -> None:
-        self._before = pending()
+        self._before = pending_cancels()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
         if exc is None:
-            redeliver(self._before)
+            redeliver_cancel(self._before)
         elif isinstance(exc, Exception):
             translated = _translated(self.name, exc)
             if translated is not None:
@@ -181,3 +192,36 @@ def _pool_ran_out(exc: Exception) -> bool:
         or "Too many connections" in text
         or "No connection available" in text
     )
+
+
+# -- cancellations a library below us swallowed ------------------------------------------
+
+
+def pending_cancels() -> int:
+    """How many cancellation requests of the current task are pending (0 outside a task,
+    and outside a running loop: `map_redis_errors` also wraps synchronous code)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return 0
+    return 0 if task is None else task.cancelling()
+
+
+def redeliver_cancel(before: int) -> None:
+    """Raise `CancelledError` if a cancellation was requested since `pending_cancels()` returned
+    `before` but the awaited call returned normally instead of raising it.
+
+    Not when an anyio cancel scope around us is cancelled: anyio delivers its cancellation
+    again at the next await by itself, with the message its scope recognises (a bare
+    `CancelledError` would escape the scope).
+    """
+    if pending_cancels() > before and anyio.current_effective_deadline() != -math.inf:
+        raise asyncio.CancelledError
+
+
+def cancelling() -> bool:
+    """True when the current task is being cancelled (a shutdown racing a dropped socket
+    can surface from redis-py as ConnectionError instead of CancelledError)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False

@@ -2,7 +2,8 @@
 
 `ClientContext` (`_context`) ties a client's runner, wait queue, notifier and keeper
 together; `_acquire` is the one acquisition (TRY, PARK, SLEEP, OUTAGE); `LeasedLock`
-(`_leasedlock`) is what users call, with holdings (`_holding`, `_lockcore`), clean-up that
-outlives its caller (`_withdraw`), local hand-off (`_cohort`) and hand-over (`_handover`).
+(`_leasedlock`) is what users call, read whole in one class (holdings, `max_hold`, a lost
+lease, `replicas=`, hand-over); release and clean-up that outlives its caller (`_release`),
+and local hand-off (`_cohort`).
 Imports every folder below it, never a primitive. Read `_acquire`, then `_leasedlock`.
 """

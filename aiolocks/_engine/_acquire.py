@@ -16,9 +16,9 @@ or the clean-up:
     OUTAGE  past the deadline: done (Miss); else a back-off ─granted─> done  ─else─> TRY
 
 "granted ─> done" is "─> TRY" instead for a grant learnt too late to trust its lease
-(`_confirm.LateGrants`: the script re-run confirms it). However it ends (a grant, a miss,
+(`LateGrants`, below: the script re-run confirms it). However it ends (a grant, a miss,
 an error, a cancellation), `_Acquisition.leave` takes the waiter out of the local queue
-and, if the server may hold state for the token, withdraws it (`_withdraw.withdraw`).
+and, if the server may hold state for the token, withdraws it (`_release.withdraw`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from .._base._cancel import cancelling
 from .._base._errors import (
     AUTHENTICATION_ERRORS,
     INVALID_RESPONSE_ERRORS,
     NOPERMISSION_ERRORS,
     REDIS_ERRORS,
+    cancelling,
 )
 from .._base._spec import (
     BUSY,
@@ -53,14 +53,21 @@ from .._base._spec import (
     Spec,
     first_grant,
 )
-from .._waiting._lot import Waiter, Wake
-from ._awaiting import bounded, unstopped
-from ._confirm import LateGrants
+from .._leases._keeper import validity
+from .._waiting._waitqueue import Waiter, Wake
 from ._context import ClientContext
-from ._release import wake_granted
-from ._withdraw import CLEANUP_BOUND, GRACE, answered, background_release, withdraw
+from ._release import (
+    CLEANUP_BOUND,
+    GRACE,
+    answered,
+    background_release,
+    bounded,
+    unstopped,
+    wake_granted,
+    withdraw,
+)
 
-__all__ = ["TRY_BOUND", "acquire"]
+__all__ = ["TRY_BOUND", "LateGrants", "acquire", "confirm", "late_grant"]
 
 # One try (blocking=False) waits for the server at most the client's socket_timeout, or
 # this long when it has none; past it the call raises ServerUnavailable.
@@ -347,3 +354,63 @@ async def _subscribe(context: ClientContext, spec: Spec, deadline: float | None)
         log.debug("aiolocks: no subscription for %r (%r); waiting on its timer", spec.name, exc)
         return False
     return True
+
+
+# -- a grant confirmed with the server before it is reported ----------------------------
+
+# A grant whose lease, counted from a moment known to precede it, has less than this part
+# of its ttl left is confirmed with the server before it is reported (see LateGrants).
+_CONFIRM_BELOW, _MAX_CONFIRMS = 0.5, 3
+
+
+def late_grant(granted_at: float, ttl_ms: int) -> bool:
+    """A grant whose lease, counted from `granted_at`, has less than half its validity left:
+    to be confirmed with the server before it is reported (see `LateGrants`)."""
+    ttl = ttl_ms / 1000.0
+    return validity(granted_at, ttl) - time.monotonic() < ttl * _CONFIRM_BELOW
+
+
+class LateGrants:
+    """Decides, for one acquisition, whether a grant is reported or first confirmed.
+
+    A grant's lease is counted from a moment known to precede it (the sending of a call
+    that found the token not yet granted, or of the granting call). When the news came late
+    (a stalled loop, a slow link) that leaves little or no validity: the acquire script is
+    then re-run, which re-arms the lease if it is still the token's (it is idempotent) or
+    queues it again if the server already ended it. Up to 3 confirmations per acquisition:
+    a server that answers slower than that (round trips near the ttl) gets the grant with
+    what validity is left, and the keeper renews at once, or reports the loss if none is.
+    """
+
+    __slots__ = ("confirms", "ttl_ms")
+
+    def __init__(self, ttl_ms: int) -> None:
+        self.ttl_ms = ttl_ms
+        self.confirms = 0
+
+    def confirm(self, granted_at: float, waiter: Waiter | None) -> bool:
+        """True: confirm the grant (re-run the acquire script; `waiter` forgets it)."""
+        if not late_grant(granted_at, self.ttl_ms):
+            return False
+        if self.confirms >= _MAX_CONFIRMS:
+            return False  # a server slower than the ttl: no loop of calls; the keeper judges
+        self.confirms += 1
+        if waiter is not None:
+            waiter.forget_grant()
+        return True
+
+
+async def confirm(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, replicas: int, timeout_ms: int
+) -> tuple[int, int]:
+    """Re-run the acquire script for a granted `token` (a write: it re-arms the lease) and
+    `WAIT` on the same connection: (acquire status, replicas that acknowledged).
+
+    Replication is in order, so a replica that has this write also has the grant before
+    it, whichever client made that grant (a hand-off is made by the releaser).
+    """
+    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    reply, acked = await context.run_then_wait(
+        spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
+    )
+    return int(reply[0]), int(acked)

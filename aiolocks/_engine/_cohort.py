@@ -24,11 +24,10 @@ from typing import Any, Protocol
 
 from .._base import _telemetry
 from .._base._spec import Grant, Spec
-from .._leases._lease import Callbacks, Lease, LeaseOwner, validity
-from . import _awaiting, _release, _withdraw
-from ._awaiting import Unanswered
+from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, validity
+from . import _release
 from ._context import ClientContext
-from ._holding import Holding
+from ._release import Unanswered
 
 __all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
 
@@ -170,8 +169,8 @@ class Cohort:
             return
         holding = waiter.lock._holdings.pop(waiter.task, None)
         if holding is not None:
-            await _awaiting.shielded(
-                lambda: self.release(waiter.lock, holding), _withdraw.CLEANUP_BOUND
+            await _release.shielded(
+                lambda: self.release(waiter.lock, holding), _release.CLEANUP_BOUND
             )
 
     async def _contend(
@@ -246,20 +245,20 @@ class Cohort:
                 # Its validity ended unrenewed (a stalled loop): not passed on locally (the
                 # server may have ended it), but given back; the holder learns it is lost,
                 # as a mutex holder releasing past its validity does.
-                answer = await _awaiting.answered_by(self._return(holding.token), until)
-                return answer if isinstance(answer, _awaiting.Unanswered) else False
+                answer = await _release.answered_by(self._return(holding.token), until)
+                return answer if isinstance(answer, _release.Unanswered) else False
             waiter = self._next_waiter()
             if waiter is not None and self.passes < self.bound:
                 self._pass(waiter, lock._spec)
                 return True
             if waiter is not None:
                 self._queue.appendleft(waiter)
-                return await _awaiting.answered_by(
+                return await _release.answered_by(
                     self._keep_or_return(holding.token, lock._spec), until
                 )
             if until is None:
                 return await self._return(holding.token)
-            return await _awaiting.answered_by(self._return(holding.token), until)
+            return await _release.answered_by(self._return(holding.token), until)
         finally:
             self._retire_if_idle()
 
@@ -308,7 +307,7 @@ class Cohort:
         """Give the lease back to Redis (which hands it to the global queue's head)."""
         self._let_go()
         try:
-            return await _withdraw.release_surely(self._context, self._spec, token, self._ttl_ms)
+            return await _release.release_surely(self._context, self._spec, token, self._ttl_ms)
         finally:
             self._promote()
 

@@ -10,6 +10,7 @@ and on Cluster, a bounded number of in-flight commands). The context is a `Scrip
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import sys
@@ -20,12 +21,11 @@ from .._base import _adapter
 from .._base._clients import AnyRedis
 from .._base._coalesce import Coalescer
 from .._leases._keeper import LeaseKeeper
-from .._transport._gate import Gate
 from .._transport._runner import ScriptRunner
 from .._waiting._notifier import Notifier
 from .._waiting._waitqueue import WaitQueue
 
-__all__ = ["ClientContext", "context_for", "open_context"]
+__all__ = ["ClientContext", "Gate", "context_for", "open_context"]
 
 log = logging.getLogger("aiolocks")
 
@@ -103,6 +103,48 @@ def _describe(loop: asyncio.AbstractEventLoop) -> str:
     return f"{type(loop).__name__} at {id(loop):#x}, {state}"
 
 
+# The release gate. A burst of exits (100,000 `async with` bodies returning in one loop
+# iteration) would otherwise start every release at once: each one's calls, timer and
+# coroutines made in that one iteration, so many objects that the garbage collector's full
+# collections stall the loop for longer than the leases' validity, and every lease is
+# lost. Past the bound an exit waits here, holding only a future, its lease still renewed,
+# and goes when a release ahead of it ends (more than the link carries at once are in
+# flight meanwhile).
+class Gate:
+    """At most `limit` holders inside; the others wait in arrival order (a first-come,
+    first-served bound on the releases one client has in flight)."""
+
+    __slots__ = ("inside", "limit", "waiting")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.inside = 0
+        self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def enter(self) -> None:
+        """Wait for a place (at once if one is free and nobody waits)."""
+        if self.inside < self.limit and not self.waiting:
+            self.inside += 1
+            return
+        place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(place)
+        try:
+            await place  # the place is handed over by `leave`, counted in `inside`
+        except asyncio.CancelledError:
+            if place.done() and not place.cancelled():
+                self.leave()  # handed over as the cancellation came: pass it on
+            raise
+
+    def leave(self) -> None:
+        """Give a place back: to the first waiter still waiting, if any."""
+        while self.waiting:
+            place = self.waiting.popleft()
+            if not place.done():
+                place.set_result(None)
+                return
+        self.inside -= 1
+
+
 class ClientContext(ScriptRunner):
     """Everything the engine keeps for one client on one event loop: the script runner it
     is, with the wait queue, the notifier, the lease keeper and the loop's end."""
@@ -112,7 +154,7 @@ class ClientContext(ScriptRunner):
         self.waitqueue = WaitQueue()
         self.notifier = Notifier(self.engine, self.waitqueue, self.weak_run())
         self.keeper = LeaseKeeper(self)
-        # Releases in flight at most (a burst of exits queues for a place: see _gate.py).
+        # Releases in flight at most (a burst of exits queues for a place: see `Gate`).
         self.releases = Gate(RELEASES_IN_FLIGHT)
         # Registries' coalesced register() calls, by the registry's ids key.
         self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
@@ -123,7 +165,7 @@ class ClientContext(ScriptRunner):
         # layer above ends its own timers and tasks with it (the election observers' hubs).
         self.on_stop: list[Callable[[], None]] = []
         self.closed = False
-        # Clean-ups left to finish in the background (see `_withdraw.withdraw`): the end of
+        # Clean-ups left to finish in the background (see `_release.withdraw`): the end of
         # the loop waits for them.
         self.cleanups: set[asyncio.Future[Any]] = set()
         # Clean-ups cancelled by the loop's end before they finished (asyncio.run cancels

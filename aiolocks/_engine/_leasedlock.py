@@ -1,9 +1,14 @@
 """LeasedLock: the base of every primitive whose acquisitions are task-owned leases.
 
-What a user calls on a mutex, a semaphore or a side of a read-write lock: `acquire()` /
-`release()`, `async with`, the decorator form, `detach()` / `adopt()`, the current task's
-`fencing_token`, `lost` and `statistics()`. A subclass supplies the `Spec` (its keys and
-scripts); the state and hooks underneath are `LockCore`'s (`_lockcore.py`).
+What a user calls on a mutex, a semaphore or a side of a read-write lock, read whole in this
+one class: its settings and its holdings by task (each acquisition a `Holding`, owned by the
+task that made it, its lease given to the keeper); `acquire()` (the one acquisition of
+`_acquire`, then `replicas=` confirmed) and `release()` (through `_release`); a holding
+capped at `max_hold` and reported when lost (the `async with` body cancelled, `on_lost`
+called); `detach()` / `adopt()` (a holding moved to a new token of another process in one
+script); the current task's `fencing_token`, `lost` and `statistics()`; `async with` and the
+decorator form. A subclass supplies the `Spec` (its keys and scripts) and overrides the
+hooks (`_make_spec`, `_hold`, `_release_call`, ...) where it differs, as the multi-lock does.
 """
 
 from __future__ import annotations
@@ -11,34 +16,48 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import TracebackType
-from typing import ParamSpec, Self, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar
 
 from .._base import _spec, _telemetry
-from .._base._clients import AnyRedis
+from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import (
+    LockError,
     LockLost,
     LockNotOwned,
     LockReentry,
     LockTimeout,
+    NotReplicated,
     ServerUnavailable,
     map_redis_errors,
 )
 from .._base._handle import LockHandle
+from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._base._query import AsyncWithOnly
-from . import _acquire, _awaiting, _handover, _withdraw
+from .._leases._keeper import Holding, Lease, LeaseOwner, current_task
+from .._scripts import Script
+from . import _acquire, _release
 from ._cohort import cohort_for, cohort_token
 from ._context import ClientContext, context_for
-from ._holding import Holding, current_task
-from ._lockcore import LockCore
-from ._replicas import confirm_replicated
-from ._settings import validate_timeout
-from ._statistics import LockStatistics, snapshot
+from ._settings import (
+    DEFAULT_REPLICA_TIMEOUT,
+    DEFAULT_TTL,
+    LostCallback,
+    validate_max_hold,
+    validate_replica_timeout,
+    validate_replicas,
+    validate_timeout,
+    validate_ttl,
+)
 
-__all__ = ["LeasedLock"]
+__all__ = ["LeasedLock", "LockStatistics"]
+
+log = logging.getLogger("aiolocks")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,8 +69,210 @@ _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
 )
 
 
-class LeasedLock(LockCore, AsyncWithOnly):
+@dataclass(frozen=True, slots=True)
+class LockStatistics:
+    """A cheap local snapshot of one primitive instance (no Redis call)."""
+
+    name: str
+    held_here: int  # holdings of this instance in this process
+    tasks_waiting: int  # tasks of this instance waiting to acquire
+    lease_remaining: float | None  # seconds the current task's lease is known valid, if held
+    lost: bool  # the current task's holding was lost
+    # Cumulative, for this instance since it was made (every task, this process):
+    acquisitions: int = 0  # acquire() calls that got it
+    timeouts: int = 0  # acquire() calls whose timeout ran out (LockTimeout included)
+    leases_lost: int = 0  # holdings whose lease was lost
+    handoffs: int = 0  # waiters its releases let in (each a grant made by the release)
+
+
+class LeasedLock(AsyncWithOnly):
     """Base of every primitive whose acquisitions are task-owned leases."""
+
+    _kind = "lock"
+    _local_handoff = 0  # > 0: tasks of this process pass the lease on (see _cohort.py)
+    _handle_kind = ""  # the `LockHandle.kind` of its holdings (see detach / adopt)
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        on_lost: LostCallback | None = None,
+        replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        max_hold: float | None = None,
+    ) -> None:
+        self._client = ensure_async_client(client)
+        self._name = validate_name(name)
+        self._prefix = validate_prefix(prefix)
+        self._ttl = validate_ttl(ttl)
+        self._ttl_ms = max(1, round(self._ttl * 1000))
+        self._timeout = validate_timeout(timeout)
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError("on_lost must be callable")
+        self._on_lost = on_lost
+        self._replicas = validate_replicas(replicas, self._client)
+        self._replica_timeout_ms = validate_replica_timeout(replica_timeout)
+        self._max_hold = validate_max_hold(max_hold)
+        if self._max_hold is not None and self._local_handoff:
+            # A cohort's lease outlives each local holding; capping one would end the chain.
+            raise ValueError("max_hold cannot be combined with local_handoff")
+        self._holdings: dict[asyncio.Task[Any], Holding] = {}
+        self._waiting = 0
+        self._spec = self._make_spec()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        return f"<{kind} {self._name!r} ttl={self._ttl:g} held_here={len(self._holdings)}>"
+
+    # -- the hooks a primitive overrides -------------------------------------------------
+
+    def _make_spec(self) -> _spec.Spec:
+        raise NotImplementedError
+
+    def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
+        """The script (and its keys) that moves a holding to a new token, for `adopt()`."""
+        raise NotImplementedError
+
+    def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
+        """A holding of `task` that makes acquiring this one a self-deadlock (e.g. the other
+        side of a read-write lock); none by default."""
+        return None
+
+    def _hold(self, context: ClientContext, task: asyncio.Task[Any], grant: _spec.Grant) -> None:
+        """`task` holds this instance now, by `grant`: its lease renewed, its cap armed."""
+        holding = self._install(task, grant.token, grant.fence)
+        holding.lease = self._new_lease(grant, holding)
+        context.keeper.hold(holding.lease)
+        self._cap(context, holding, grant.granted_at)
+
+    def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
+        """Take `holding`'s lease(s) out of the keeper (released, detached or capped)."""
+        if holding.lease is not None:
+            context.keeper.drop(holding.lease)
+
+    async def _release_call(self, context: ClientContext, token: str) -> bool | None:
+        """Run the release script(s) for `token` once (see `_release.release`)."""
+        return await _release.release(context, self._spec, token, self._ttl_ms)
+
+    async def _give_back_holding(self, holding: Holding) -> bool | None:
+        """`holding`'s release, as its lease's owner is asked for one (the loop's end)."""
+        return await self._release_call(context_for(self._client), holding.token)
+
+    async def _release_surely(
+        self, context: ClientContext, holding: Holding
+    ) -> bool | _release.Unanswered | None:
+        """`_release_call` for `holding`, completed even if the caller is cancelled
+        meanwhile; its lease is renewed until the release is answered, which is waited for
+        while the lease is known valid (`Unanswered` past it, the release going on in the
+        background)."""
+        if holding.lease is None:
+            self._stop_renewal(context, holding)
+            return await _release.release_surely(context, self._spec, holding.token, self._ttl_ms)
+        lease = holding.lease
+        return await _release.release_until(
+            context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
+        )
+
+    # -- the holdings, by task -------------------------------------------------------------
+
+    def _new_lease(self, grant: _spec.Grant, owner: LeaseOwner) -> Lease:
+        return Lease(
+            self._spec.renew,
+            self._spec.renew_keys,
+            (grant.token, self._ttl_ms),
+            self._ttl,
+            grant.granted_at,
+            owner,
+        )
+
+    def _install(
+        self, task: asyncio.Task[Any], token: str, fence: int, lease: Lease | None = None
+    ) -> Holding:
+        """Record that `task` holds this instance now."""
+        holding = Holding(self, task, token, fence)
+        holding.lease = lease
+        self._holdings[task] = holding
+        return holding
+
+    def _take_holding(self) -> Holding:
+        holding = self._find_holding()
+        del self._holdings[holding.task]
+        holding.end_body()  # released inside its `async with` body: no loss cancels it now
+        return holding
+
+    def _find_holding(self) -> Holding:
+        """The current task's holding, else one of a task that has finished."""
+        task = current_task()
+        holding = self._holdings.get(task)
+        if holding is not None:
+            return holding
+        for owner, held in self._holdings.items():
+            if owner.done():  # e.g. acquired inside asyncio.wait_for's own task
+                return held
+        raise LockNotOwned(self._name, "the current task does not hold it")
+
+    def _current(self) -> Holding | None:
+        task = asyncio.current_task()
+        return None if task is None else self._holdings.get(task)
+
+    # -- max_hold: a holding is renewed that long at most ----------------------------------
+
+    def _cap(self, context: ClientContext, holding: Holding, since: float) -> None:
+        """Arm `max_hold` for `holding`, counted from `since` (monotonic)."""
+        if self._max_hold is None or holding.lease is None:
+            return
+        delay = max(0.0, since + self._max_hold - time.monotonic())
+        holding.cap = asyncio.get_running_loop().call_later(
+            delay, self._max_hold_reached, context, holding
+        )
+
+    def _max_hold_reached(self, context: ClientContext, holding: Holding) -> None:
+        """Stop renewing `holding` and report it lost; its lease then ends on the server by
+        itself (or sooner, when the cancelled body releases it)."""
+        holding.cap = None
+        lease = holding.lease
+        if lease is None or lease.lost or holding.is_lost:
+            return
+        self._stop_renewal(context, holding)
+        lease.lost = True
+        assert self._max_hold is not None
+        self._lease_lost(
+            holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
+        )
+
+    @staticmethod
+    def _uncap(holding: Holding) -> None:
+        if holding.cap is not None:
+            holding.cap.cancel()
+            holding.cap = None
+
+    # -- a lost lease: the holder is told --------------------------------------------------
+
+    def _lost_error(self, holding: Holding) -> LockLost:
+        return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None:
+        holding.mark_lost(reason)
+        _telemetry.on_lease_lost(self._spec, holding.token)
+        if self._holdings.get(holding.task) is holding:
+            holding.cancel_body()
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self._lost_error(holding))
+            except Exception:
+                log.exception("aiolocks: on_lost callback of %r failed", self._name)
 
     # -- acquire / release -------------------------------------------------------------
 
@@ -63,7 +284,8 @@ class LeasedLock(LockCore, AsyncWithOnly):
         one try, the same as `blocking=False`. Raises `LockReentry` if the current task
         already holds this instance.
         """
-        timeout = validate_timeout(timeout)
+        if timeout is not None:  # (None, the common case, needs no check)
+            timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
         if timeout == 0:
@@ -115,8 +337,46 @@ class LeasedLock(LockCore, AsyncWithOnly):
             self._missed(grant, try_bound, token)
             return None
         if self._replicas:
-            await confirm_replicated(self, context, grant)
+            await self._confirm_replicated(context, grant)
         return grant
+
+    async def _confirm_replicated(self, context: ClientContext, grant: _spec.Grant) -> None:
+        """Have `replicas` replicas acknowledge `grant` before it is reported; give it back
+        and raise `NotReplicated` if they do not within `replica_timeout`."""
+        given_back = False
+        spec, ttl_ms, replicas = self._spec, self._ttl_ms, self._replicas
+        # The acquire script again (it may grant the token anew), on a pooled connection of its
+        # own even with auto-pipelining: in a task that leaving does not stop, and the give-back
+        # is sent after its reply (`_release.unstopped`).
+        confirming = _acquire.confirm(
+            context, spec, grant.token, ttl_ms, replicas, self._replica_timeout_ms
+        )
+        in_flight = asyncio.ensure_future(confirming)
+        try:
+            with map_redis_errors(self._name):
+                status, acked = await asyncio.shield(in_flight)
+            if status != _spec.GRANTED:
+                raise LockLost(
+                    self._name, "lost before its replication was confirmed", token=grant.token
+                )
+            if acked < replicas:
+                given_back = True
+                await _release.shielded(
+                    lambda: _release.release(context, spec, grant.token, ttl_ms),
+                    _release.CLEANUP_BOUND,
+                )
+                raise NotReplicated(
+                    self._name,
+                    f"{acked} of {replicas} replica(s) acknowledged the grant within "
+                    f"{self._replica_timeout_ms} ms; it was given back",
+                    token=grant.token,
+                )
+        except BaseException:
+            if not given_back:
+                await _release.withdraw(
+                    context, spec, grant.token, ttl_ms, None, after=_release.settled(in_flight)
+                )
+            raise
 
     def _current_spec(self) -> _spec.Spec:
         """The instance's spec now (after a `set_limit()`, a new one): for an acquisition
@@ -161,8 +421,8 @@ class LeasedLock(LockCore, AsyncWithOnly):
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
-            until = time.monotonic() + _withdraw.GRACE
-            await _withdraw.withdraw(
+            until = time.monotonic() + _release.GRACE
+            await _release.withdraw(
                 context, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
             )
             raise self._lost_error(holding)
@@ -185,7 +445,7 @@ class LeasedLock(LockCore, AsyncWithOnly):
                         holding, "its validity ended before its release (cancelled) was answered"
                     )
                 raise
-            if isinstance(answer, _awaiting.Unanswered):
+            if isinstance(answer, _release.Unanswered):
                 raise self._lost_at_release(
                     holding,
                     "Redis did not answer its release before the lease's validity ended "
@@ -214,7 +474,16 @@ class LeasedLock(LockCore, AsyncWithOnly):
         Raises `LockNotOwned` if the task holds nothing, `LockLost` if the lease had been
         lost, and `LockError` for a `local_handoff` holding (its lease is the process's).
         """
-        return _handover.detach(self)
+        self._check_handover()
+        holding = self._find_holding()
+        if holding.is_lost:
+            raise self._lost_error(holding)
+        del self._holdings[holding.task]
+        self._uncap(holding)
+        context = context_for(self._client)
+        self._stop_renewal(context, holding)
+        _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
+        return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
 
     async def adopt(self, handle: LockHandle) -> None:
         """Take over a holding another process `detach()`ed: the current task holds it now,
@@ -225,7 +494,55 @@ class LeasedLock(LockCore, AsyncWithOnly):
         has ended (or its handle was adopted already): nothing is acquired anew, nothing
         queued. Raises `LockError` for a handle of another kind, name or prefix.
         """
-        await _handover.adopt(self, handle)
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"adopt() takes a LockHandle, not {type(handle).__name__}")
+        self._check_handover()
+        mine = (self._handle_kind, self._name, self._prefix)
+        if (handle.kind, handle.name, handle.prefix) != mine:
+            raise LockError(
+                self._name,
+                f"the handle is of {handle.kind} {handle.name!r} (prefix {handle.prefix!r}), "
+                f"not of this {self._handle_kind} (prefix {self._prefix!r})",
+            )
+        task = current_task()
+        if task in self._holdings or self._held_elsewhere(task) is not None:
+            raise LockReentry(self._name, "the current task already holds it")
+        context = context_for(self._client)
+        token = secrets.token_hex(16)
+        script, keys = self._adopt_call()
+        sent_at = time.monotonic()
+        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
+        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
+        try:
+            with map_redis_errors(self._name):
+                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
+        except BaseException:
+            # The script may have run: give back what the new token may hold (after its
+            # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
+            # background.
+            release = functools.partial(self._release_call, context, token)
+            after = None if in_flight is None else _release.settled(in_flight)
+            await _release.withdraw(
+                context, self._spec, token, self._ttl_ms, None, release, after=after
+            )
+            raise
+        if not int(taken):
+            raise LockLost(
+                self._name,
+                "the handed-over holding has ended, or its handle was adopted already "
+                "(a handle is adopted once)",
+                token=handle.token,
+            )
+        self._hold(context, task, _spec.Grant(token, handle.fencing_token, sent_at))
+
+    def _check_handover(self) -> None:
+        if not self._handle_kind:
+            raise LockError(self._name, f"a {type(self).__name__} cannot be handed over")
+        if self._local_handoff:
+            raise LockError(
+                self._name, "a local_handoff instance cannot hand a holding over: its lease "
+                "is shared by this process's tasks",
+            )  # fmt: skip
 
     # -- the current task's holding ----------------------------------------------------
 
@@ -253,7 +570,20 @@ class LeasedLock(LockCore, AsyncWithOnly):
 
     def statistics(self) -> LockStatistics:
         """A cheap local snapshot; see `inspect()` for what the server says."""
-        return snapshot(self)
+        holding = self._current()
+        lease = None if holding is None else holding.lease
+        counters = self._spec.counters
+        return LockStatistics(
+            name=self._name,
+            held_here=len(self._holdings),
+            tasks_waiting=self._waiting,
+            lease_remaining=None if lease is None or lease.lost else lease.remaining,
+            lost=holding is not None and holding.is_lost,
+            acquisitions=counters.acquisitions,
+            timeouts=counters.timeouts,
+            leases_lost=counters.leases_lost,
+            handoffs=counters.handoffs,
+        )
 
     # -- async with and decorator ------------------------------------------------------
 

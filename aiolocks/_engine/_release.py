@@ -1,22 +1,64 @@
-"""The release path: run a release script, and hand what it granted to this client's waiters.
+"""Release and clean-up: every release, and every withdrawal of a token, goes through here.
 
-A release (or any script that may grant, such as `set_limit`) makes the next waiters owners
-in the same script; grants to waiters of this client are not published, so they are woken
-here from the reply, and a lost reply makes every local waiter of the name re-check.
+One module decides what is retried, how often and for how long (`RETRY_POLICY` below):
+
+- `release`: the release script for a token, run once, and once more after a lost reply
+  (a dropped connection; every engine script is idempotent); grants it made to this
+  client's waiters are woken from its reply (`wake_granted`), not by pub/sub.
+- `release_until`: a holder's release, behind the client's release gate, waited for while
+  its lease is known valid (the keeper renews it meanwhile); past that, or cancelled, it
+  goes on as a clean-up.
+- `withdraw` / `background_release`: clean-up that outlives its caller (a cancelled or
+  failed acquisition, an interrupted release): a task of its own, awaited up to a bound,
+  then retried in the background while Redis cannot be reached, until the server forgets
+  the token by itself (its ttl).
+- the awaiting helpers (`completed`, `unstopped`, `settled`, `bounded`, `shielded`,
+  `answered_by`): a call whose reply a cancellation or a deadline must not cut short.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from .._base import _telemetry
-from .._base._spec import LOST_REPLY, Spec
+from .._base._errors import AUTHENTICATION_ERRORS, cancelling
+from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec, first_grant
+from .._leases._keeper import Lease
 from .._scripts import Script
 from ._context import ClientContext
 
-__all__ = ["granting", "release", "release_reply", "wake_granted"]
+__all__ = [
+    "CLEANUP_BOUND",
+    "GRACE",
+    "UNANSWERED",
+    "Unanswered",
+    "answered",
+    "answered_by",
+    "background_release",
+    "bounded",
+    "completed",
+    "granting",
+    "release",
+    "release_reply",
+    "release_surely",
+    "release_until",
+    "settled",
+    "shielded",
+    "unstopped",
+    "wake_granted",
+    "withdraw",
+]
+
+T = TypeVar("T")
+
+log = logging.getLogger("aiolocks")
 
 
 async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
@@ -37,6 +79,16 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     return None if unsure and not held else held
 
 
+# The retry policy of every release and clean-up, decided here only:
+# - a script call that may grant (a release, `set_limit`) whose reply is lost (LOST_REPLY:
+#   a dropped connection, a timeout) is sent once more, at once, and never a third time
+#   (`_granting`; the runner's own retry is off for it, so the two cannot stack);
+# - a clean-up that outlives its caller (`_retried`) tries again while the server cannot be
+#   reached (PASSING_OUTAGE, not a refused authentication), backing off from RETRY_MIN,
+#   doubling up to RETRY_MAX, for at most max(CLEANUP_BOUND, the token's ttl): past that the
+#   server has forgotten the token by itself.
+
+
 async def release_reply(
     context: ClientContext,
     spec: Spec,
@@ -52,10 +104,7 @@ async def release_reply(
     """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
-    try:
-        return await granting(context, spec, spec.release, args, sent=sent), False
-    except LOST_REPLY:
-        return await granting(context, spec, spec.release, args, sent=sent), True
+    return await _granting(context, spec, spec.release, args, True, sent)
 
 
 async def granting(
@@ -75,14 +124,28 @@ async def granting(
     at once, so one the script made owner learns it now rather than at its next heartbeat
     (the acquire script answers "granted" to an owner).
     """
-    try:
-        reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
-        return reply
-    except BaseException as exc:
-        context.waitqueue.recheck_all(spec.channel)
-        if not retry or not isinstance(exc, LOST_REPLY):
-            raise
-    return await granting(context, spec, script, args)
+    reply, _ = await _granting(context, spec, script, args, retry, sent)
+    return reply
+
+
+async def _granting(
+    context: ClientContext,
+    spec: Spec,
+    script: Script,
+    args: tuple[Any, ...],
+    retry: bool,
+    sent: Callable[[float], None] | None,
+) -> tuple[list[Any], bool]:
+    """`granting`, and whether a first call was cut off (the reply is then the second's)."""
+    for again in (False, True):
+        try:
+            reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
+            return reply, again
+        except BaseException as exc:
+            context.waitqueue.recheck_all(spec.channel)
+            if again or not retry or not isinstance(exc, LOST_REPLY):
+                raise
+    raise AssertionError("unreachable")
 
 
 def wake_granted(
@@ -103,3 +166,350 @@ def wake_granted(
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# -- clean-up that outlives its caller --------------------------------------------------
+
+# Clean-up after a failed or cancelled acquisition (and a release interrupted by a
+# cancellation) is awaited at most this long; it goes on in the background after that,
+# for at most max(CLEANUP_BOUND, ttl): past the ttl the server forgets the token by itself.
+CLEANUP_BOUND = 5.0
+# How far past the caller's deadline its clean-up is awaited before it goes on in the
+# background (`acquire(timeout=t)` returns within t + this + scheduling).
+GRACE = 0.05
+
+
+# Clean-ups left to finish in the background (a reference, so they are not collected).
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+async def withdraw(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float | None,
+    call: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    after: Awaitable[Any] | None = None,
+) -> bool:
+    """Run the release script for `token` in a task of its own that outlives the caller:
+    awaited (shielded from the caller's cancellation, which is re-raised afterwards) until
+    the monotonic time `until`, or for CLEANUP_BOUND when None. True if it finished by then;
+    otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
+    ttl the server has forgotten the token by itself), and a failure is logged. `after`:
+    awaited first, in that task, for at most as long (the reply of the token's own call in
+    flight, see `answered`; past it, that call is abandoned and the release sent)."""
+    task = background_release(context, spec, token, ttl_ms, call, after)
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    if not task.done():
+        await completed(asyncio.wait((task,), timeout=wait))
+    return task.done()
+
+
+def background_release(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[Any]] | None = None,
+    after: Awaitable[Any] | None = None,
+) -> asyncio.Future[None]:
+    """Start `call` (by default the release script for `token`) in a background task that
+    retries it while the server cannot be reached, for at most max(CLEANUP_BOUND, ttl);
+    after `after`, if given (awaited for at most as long)."""
+    bound = max(CLEANUP_BOUND, ttl_ms / 1000.0)
+    if call is None:
+        call = functools.partial(release, context, spec, token, ttl_ms)
+    task = asyncio.ensure_future(_retried(call, spec.name, token, bound, after))
+    for running in (_BACKGROUND, context.cleanups):
+        running.add(task)
+        task.add_done_callback(running.discard)
+    again = functools.partial(_retried, call, spec.name, token, bound)
+    task.add_done_callback(functools.partial(_cut_short, context, again, after))
+    return task
+
+
+def _cut_short(
+    context: ClientContext,
+    again: Callable[[], Awaitable[None]],
+    after: Awaitable[Any] | None,
+    task: asyncio.Future[None],
+) -> None:
+    """A clean-up task that ended cancelled: only the loop's end cancels one (asyncio.run
+    cancels every task left, even one created in the step in which `main` returned, before
+    its first step). It is run again at the loop's end (`ClientContext.interrupted`); the
+    call in flight it was to wait for is gone with the loop, so it is not waited for."""
+    if not task.cancelled():
+        return
+    if inspect.iscoroutine(after) and inspect.getcoroutinestate(after) == inspect.CORO_CREATED:
+        after.close()  # never started: closed, not left to warn "never awaited"
+    if not context.closed:
+        context.interrupted.append(again)
+
+
+async def _retried(
+    call: Callable[[], Awaitable[Any]],
+    name: str,
+    token: str,
+    bound: float,
+    after: Awaitable[Any] | None = None,
+) -> None:
+    """Run `call` (the release of `token`), trying again (with a back-off) while the server
+    cannot be reached, for at most `bound` seconds; after `after`, awaited as long at most."""
+    if after is not None:
+        try:
+            await asyncio.wait_for(after, bound)
+        except TimeoutError:
+            log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
+    give_up = time.monotonic() + bound
+    delay = RETRY_MIN
+    while True:
+        try:
+            await asyncio.wait_for(call(), give_up - time.monotonic())
+            return
+        except asyncio.CancelledError:
+            raise  # the loop is shutting down
+        except Exception as exc:
+            if cancelling():
+                # The cancellation met a connect or a socket and came out of redis-py as a
+                # connection error: stop here, or the loop's end waits out the whole bound.
+                raise asyncio.CancelledError from exc
+            outage = isinstance(exc, PASSING_OUTAGE) and not isinstance(exc, AUTHENTICATION_ERRORS)
+            if not outage or time.monotonic() + delay >= give_up:
+                log.warning(
+                    "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
+                    "forgets the token when its ttl ends",
+                    name,
+                    token,
+                    exc,
+                )
+                return
+        await asyncio.sleep(delay)  # an outage back-off, as a queued waiter's re-check
+        delay = min(delay * 2, RETRY_MAX)
+
+
+async def answered(
+    context: ClientContext,
+    spec: Spec,
+    in_flight: asyncio.Future[Any],
+    sent_at: float,
+    written: list[float],
+) -> None:
+    """Wait for the acquire call a departed acquisition left in flight, and wake the local
+    waiters its reply granted (`written`: when the call went out, if it was told)."""
+    reply = await settled(in_flight)
+    if reply is None:
+        return
+    grants = first_grant(int(reply[0]))
+    if len(reply) > grants:
+        wake_granted(context, spec, reply, grants, written[0] if written else sent_at)
+
+
+async def release_surely(
+    context: ClientContext, spec: Spec, token: str, ttl_ms: int, until: float | None = None
+) -> bool | None:
+    """`release`, completed even if the caller is cancelled meanwhile.
+
+    The fast path awaits the script directly (no extra task). If a cancellation interrupts
+    it, the script is run again (it is idempotent: a release that did reach the server
+    answers "not held" the second time and changes nothing), awaited until `until` (or
+    CLEANUP_BOUND) and then left to finish in the background; the cancellation is then
+    re-raised.
+    """
+    try:
+        return await release(context, spec, token, ttl_ms)
+    except asyncio.CancelledError:
+        await withdraw(context, spec, token, ttl_ms, until)
+        raise
+
+
+async def release_until(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    until: float,
+    call: Callable[[], Awaitable[bool | None]] | None = None,
+    lease: Lease | None = None,
+) -> bool | Unanswered | None:
+    """`release_surely`, waited for until the monotonic time `until` at most (a lease's
+    validity): past it the answer is UNANSWERED and the release goes on in the background.
+    `call` replaces the release of `spec` (a multi-lock releases several).
+
+    With `lease` (still held by the keeper), the keeper goes on renewing it until the
+    release is answered, and the wait follows its validity as renewals move it: a release
+    queued behind a burst (more calls than the link carries at once) keeps its lease and
+    is answered however long it waits; only a Redis that answers nothing, renewals
+    included, runs the validity out. A loss the keeper finds meanwhile is reported by the
+    release's answer (or by its validity ending), not by the keeper. At most
+    `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
+    (`_context.Gate`), their validity followed from when they have one."""
+    if lease is not None:
+        lease.releasing = True  # the keeper renews it on, but reports no loss of it
+    bound: _ValidityBound | None = None
+    try:
+        # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
+        await context.releases.enter()
+        first = release(context, spec, token, ttl_ms) if call is None else call()
+        async with asyncio.timeout(None) as scope:
+            try:
+                bound = _ValidityBound(scope, until, lease)
+                return await first
+            finally:
+                context.releases.leave()
+                if bound is not None:
+                    bound.cancel()
+                if lease is not None:
+                    context.keeper.drop(lease)
+    except TimeoutError:
+        await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
+        return UNANSWERED
+    except asyncio.CancelledError:
+        if lease is not None:  # (cancelled while waiting for its place)
+            context.keeper.drop(lease)
+            until = max(until, lease.valid_until)
+        end = until if bound is None else bound.end()
+        await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
+        raise
+
+
+_NO_CONTEXT = contextvars.Context()
+
+
+class _ValidityBound:
+    """Expires a timeout scope at `until`, or, given a lease, when its validity ends,
+    following it as the keeper moves it later: one timer, re-armed once per renewal at most."""
+
+    __slots__ = ("handle", "lease", "scope", "until")
+
+    def __init__(self, scope: asyncio.Timeout, until: float, lease: Lease | None) -> None:
+        self.scope = scope
+        self.until = until
+        self.lease = lease
+        self.handle = self._arm()
+
+    def end(self) -> float:
+        return self.until if self.lease is None else max(self.until, self.lease.valid_until)
+
+    def _arm(self) -> asyncio.TimerHandle:
+        # Itself the callback, in one shared empty context: no bound method and no copy
+        # of the caller's context per release (objects the garbage collector goes through).
+        loop = asyncio.get_running_loop()
+        when = loop.time() + (self.end() - time.monotonic())
+        return loop.call_at(when, self, context=_NO_CONTEXT)
+
+    def __call__(self) -> None:
+        if self.end() > time.monotonic():
+            self.handle = self._arm()  # renewed meanwhile
+        else:
+            self.scope.reschedule(asyncio.get_running_loop().time())
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+# -- awaiting what a cancellation or a deadline must not cut short ----------------------
+
+
+class Unanswered:
+    """The marker `answered_by` (and `release_until`) return when Redis did not answer in
+    time."""
+
+
+UNANSWERED = Unanswered()
+
+
+def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`call` (a script call that may grant or queue a token) in a task of its own, to await
+    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
+    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
+    Only where the clean-up would not follow it on one connection (auto-pipelining off,
+    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
+    nothing, and the call then grant or queue the departed token for its ttl). None through
+    the auto-pipeline: `call` is awaited as it is."""
+    if context.autopipe is not None:
+        return None
+    return asyncio.ensure_future(call)
+
+
+async def settled(in_flight: asyncio.Future[T]) -> T | None:
+    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
+    lost reply: the clean-up sent next withdraws whatever it did)."""
+    try:
+        return await in_flight
+    except Exception:
+        return None
+
+
+def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
+    """`awaitable`, awaited until the monotonic time `deadline` at most (TimeoutError);
+    without a deadline, `awaitable` itself (no coroutine more in the chain)."""
+    if deadline is None:
+        return awaitable
+    return _bounded(awaitable, deadline)
+
+
+async def _bounded(awaitable: Awaitable[T], deadline: float) -> T:
+    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+    async with asyncio.timeout_at(loop_deadline):
+        return await awaitable
+
+
+async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
+    """Run `call()` to completion even if the caller is cancelled meanwhile, for at most
+    `bound` seconds; errors (the timeout included) give None. A cancellation of the
+    caller is re-raised once the call is done."""
+
+    async def run() -> T | None:
+        try:
+            return await asyncio.wait_for(call(), bound)
+        except Exception:
+            return None
+
+    return await completed(run())
+
+
+async def answered_by(awaitable: Awaitable[T], until: float | None) -> T | Unanswered:
+    """`completed`, waited for until the monotonic time `until` at most (a lease's
+    validity): past it the answer is UNANSWERED and the call goes on in the background
+    (a cancelled caller also leaves it running: it completes either way)."""
+    if until is None:
+        return await completed(awaitable)
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+    except BaseException:
+        task.add_done_callback(_log_failure)
+        raise
+    if task in done:
+        return task.result()
+    task.add_done_callback(_log_failure)
+    return UNANSWERED
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("aiolocks: a release left to finish failed: %r", task.exception())
+
+
+async def completed(awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` (in a task of its own) to the end even if the caller is cancelled
+    meanwhile; that cancellation is re-raised once it is done, and wins over its outcome.
+    The caller's own CancelledError is re-raised, so that an anyio scope knows it as its own.
+    """
+    task = asyncio.ensure_future(awaitable)
+    cancellation: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as caught:
+            if not task.cancelled() and cancellation is None:
+                cancellation = caught  # the caller's: never swallowed
+        except BaseException:
+            break  # the task's own error: result() raises it below
+    if cancellation is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise cancellation
+    return task.result()

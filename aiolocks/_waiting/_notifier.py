@@ -14,8 +14,8 @@ import enum
 import logging
 from collections.abc import Callable
 
-from .._base import _cancel
 from .._base._clients import AnyRedis
+from .._base._errors import pending_cancels, redeliver_cancel
 from ._serverfacts import RunScript
 from ._subscriptions import Subscriptions
 from ._waitqueue import WaitQueue
@@ -65,12 +65,12 @@ class Notifier:
 
         Returns once the subscription is confirmed, or after a short bound: a waiter whose
         subscription is not confirmed yet still wakes on its timer. A cancellation that
-        redis-py or `wait_for` swallowed meanwhile is raised (see `_cancel`).
+        redis-py or `wait_for` swallowed meanwhile is raised (see `_errors.redeliver_cancel`).
         """
-        before = _cancel.pending()
+        before = pending_cancels()
         await self._subscriptions.retain(wake, watch_key)  # holds no reference if it raises
         try:
-            _cancel.redeliver(before)
+            redeliver_cancel(before)
         except asyncio.CancelledError:
             self.release(wake)
             raise

@@ -18,9 +18,8 @@ from typing import Any, Protocol
 import redis.exceptions
 
 from .._base import _adapter
-from .._base._cancel import cancelling, pending, redeliver
 from .._base._clients import AnyRedis, is_cluster
-from .._base._errors import REDIS_ERRORS
+from .._base._errors import REDIS_ERRORS, cancelling, pending_cancels, redeliver_cancel
 from . import _serverfacts
 from ._pubsub import Link
 from ._serverfacts import RunScript, ServerFacts
@@ -221,7 +220,7 @@ class Subscriptions:
 
     async def _read(self, link: Link) -> None:
         delay = _RETRY_MIN
-        before = pending()
+        before = pending_cancels()
         while self._routed(link) or link.unsubscribing:
             try:
                 if not link.connected:
@@ -229,7 +228,7 @@ class Subscriptions:
                 message = await link.pubsub.get_message(timeout=None)
                 # A read that re-connected re-subscribes, and redis-py's `wait_for` around
                 # that write may swallow aclose's cancellation (Python 3.11): not ours.
-                redeliver(before)
+                redeliver_cancel(before)
                 delay = _RETRY_MIN
             except asyncio.CancelledError:
                 # Shutdown (aclose, or the loop closing): close the connection too.

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 
-from .._base import _adapter, _cancel
+from .._base import _adapter
 from .._base._embedded import EmbeddedServer, die_with_parent, start_embedded_server
+from .._base._errors import redeliver_cancel
 from .._base._keys import KeySpace
 from .._engine._context import context_for
 from .._scripts import load
@@ -118,7 +119,7 @@ async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
                 progress = _Progress(workers, workers * iterations)
                 await _run_workers(url, prefix, args, False, progress)
                 got = int(await client.get(counter_key(prefix, False)) or 0)
-                _cancel.redeliver(0)
+                redeliver_cancel(0)
                 lost = progress.expected - got
                 verdict = f"{lost} updates LOST" if lost > 0 else "none lost this time (timing)"
                 io.say(f"   expected {progress.expected}, got {got}: {verdict}\n")
@@ -162,7 +163,7 @@ async def _locked_run(
     channel = KeySpace(prefix, "mutex", LOCK_NAME).key("wake")
     sharded = bool(await context_for(client).run(_PUBSUB_MODE, (), ()))
     async with _grants(url, channel, sharded, progress.handed_off):
-        _cancel.redeliver(0)
+        redeliver_cancel(0)
         workers = asyncio.ensure_future(_run_workers(url, prefix, args, True, progress))
         try:
             view = await view_of(client, "mutex", LOCK_NAME, prefix)
@@ -170,7 +171,7 @@ async def _locked_run(
                 while not workers.done():
                     await asyncio.wait({workers}, timeout=_REFRESH)  # a display timer only
                     view = await view_of(client, "mutex", LOCK_NAME, prefix)
-                    _cancel.redeliver(0)  # a Ctrl-C that redis-py's wait_for dropped
+                    redeliver_cancel(0)  # a Ctrl-C that redis-py's wait_for dropped
                     live.update(_screen(view, progress))
             out.print()
             await workers  # its failure, if any

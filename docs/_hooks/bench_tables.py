@@ -666,7 +666,34 @@ def _ratelimit(data: dict[str, Any]) -> str:
     return _machine(data) + "\n\n" + _table(header, rows)
 
 
+def _sync(data: dict[str, Any]) -> str:
+    """bench_sync.py: each contender's median ops/s over the rounds, 1 and 4 processes."""
+    labels: dict[str, str] = data["contenders"]
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = data["results"]
+
+    def ops(processes: str, kind: str) -> float | None:
+        runs = sorted(run["ops"] for run in cells.get(processes, {}).get(kind, []))
+        return runs[len(runs) // 2] if runs else None
+
+    rows = []
+    for kind, label in labels.items():
+        row: list[object] = [label]
+        for processes in ("1", "4"):
+            mine, base = ops(processes, kind), ops(processes, data["baseline"])
+            row += [_num(mine), _times(None if mine is None or not base else mine / base)]
+        exact = all(run["exact"] for runs in cells.values() for run in runs.get(kind, []))
+        row.append("yes" if exact else "NO")
+        rows.append(row)
+    threads = data.get("args", {}).get("threads", "?")
+    header = ("contender", "1 process ops/s", "x python-redis-lock", "4 processes ops/s",
+              "x python-redis-lock", "counter exact")  # fmt: skip
+    return (
+        _machine(data) + f" {threads} threads per process, on one name.\n\n" + _table(header, rows)
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "sync": _sync,
     "cost": _cost,
     "default_mutex": _default_mutex,
     "expiry": _expiry,

@@ -73,17 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     started, failed, count, virtual = time.monotonic(), [], 0, 0.0
     pool = ThreadPoolExecutor(max(1, options.jobs))  # each seed runs in a forked process
     if options.jobs > 1 and options.seeds:
-        results: Iterator[Result] = pool.map(lambda seed: isolated(seed, options.duration), seeds)
+        ran: Iterator[Result] = pool.map(lambda seed: isolated(seed, options.duration), seeds)
     else:
         running = itertools.takewhile(lambda _: time.monotonic() < stop, seeds)
-        results = (isolated(seed, options.duration) for seed in running)
-    for result in results:
+        ran = (isolated(seed, options.duration) for seed in running)
+    for outcome in ran:
         count += 1
-        virtual += result.virtual
-        print(result.summary, flush=True)
-        if result.violations:
-            failed.append(result.seed)
-            for line in result.violations[:5]:
+        virtual += outcome.virtual
+        print(outcome.summary, flush=True)
+        if outcome.violations:
+            failed.append(outcome.seed)
+            for line in outcome.violations[:5]:
                 print("    " + line, flush=True)
             if options.fail_fast:
                 break

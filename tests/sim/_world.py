@@ -19,7 +19,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from aiolocks._engine._context import _ATTRIBUTE
-from aiolocks._engine._withdraw import CLEANUP_BOUND
+from aiolocks._engine._release import CLEANUP_BOUND
 
 from ._loop import PROCESS, Proc, VirtualLoop, in_process, proc_of_task
 from ._net import Net
