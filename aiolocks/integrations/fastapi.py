@@ -97,7 +97,8 @@ def request_limit(
 ) -> Callable[..., Awaitable[Permit]]:
     """A FastAPI dependency (use it with `Depends`) that lets each request in only within a
     `RedisRateLimiter`'s limit: at most `rate` requests per `per` seconds for the name, at
-    most `burst` (default `rate`) at once, across every process.
+    most `burst` at once (without `burst`: at most `rate` in any window of `per`), across
+    every process.
 
     - `name`, `client`, `state_key`, `prefix`: as for `request_lock` (a template such as
       `"api:{user_id}"`, or a dependency returning the name).
