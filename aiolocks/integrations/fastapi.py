@@ -17,7 +17,7 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any, TypeVar, Unpack
 
@@ -216,6 +216,6 @@ async def _answer_lock_error(request: Request, error: Exception) -> Response:
 # used by hand), answered as `request_lock` answers them: `ServerUnavailable` and
 # `AccessDenied` 503 `lock_unavailable`, `LockTimeout` 409 `lock_busy`, `LockLost` 500
 # `lock_lost`. `FastAPI(exception_handlers=lock_error_handlers)`.
-lock_error_handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-    LockError: _answer_lock_error
-}
+lock_error_handlers: dict[
+    int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
+] = {LockError: _answer_lock_error}
