@@ -404,7 +404,7 @@ async def test_a_sentinel_client_dropped_without_aclose_is_collected_cleanly(
     try:
         async with open_sentinel_group(variant) as group:
             admin, sentinel = group.master_for(), group.sentinel()
-            collected = []
+            collected: list[int] = []
             for index in range(3):
                 client = sentinel.master_for(MASTER_NAME, client_name=tag)  # not kept by group
                 weakref.finalize(client, collected.append, index)
