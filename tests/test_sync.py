@@ -3,9 +3,11 @@ tests/test_sync_processes.py has the multi-process, signal, exit and fork cases)
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -257,3 +259,48 @@ def test_a_waiting_thread_sends_no_commands(sync_r: redis.Redis) -> None:
 def _calls(client: redis.Redis) -> int:
     stats = client.info("commandstats")
     return sum(int(value["calls"]) for value in stats.values())
+
+
+def test_the_clients_database_and_name_are_the_engines(valkey_notify: ServerProcess) -> None:
+    """The engine's client is made from the sync client's settings: same database, same
+    client name on its connections."""
+    server = valkey_notify.url.rsplit("/", 1)[0]
+    client = redis.Redis.from_url(server + "/3", client_name="billing-worker")
+    client.flushdb()
+    other_db = redis.Redis.from_url(server + "/0")
+    with RedisMutex(client, "orders:7"):
+        assert client.exists("aiolocks:mutex:{orders:7}:owner")
+        assert not other_db.exists("aiolocks:mutex:{orders:7}:owner")
+        names = [entry["name"] for entry in client.client_list()]
+        assert names.count("billing-worker") >= 2  # the user's connection and the engine's
+    client.close()
+    other_db.close()
+
+
+def test_a_valkey_py_client(valkey_notify: ServerProcess) -> None:
+    valkey = pytest.importorskip("valkey")
+    client = valkey.Valkey.from_url(valkey_notify.url)
+    client.flushall()
+    mutex = RedisMutex(client, "orders:8")
+    with mutex:
+        assert mutex.inspect().owner is not None
+    assert not mutex.locked()
+    client.close()
+
+
+def test_a_cluster_client(cluster: Any) -> None:
+    """A sync RedisCluster: the engine runs on an asyncio RedisCluster of the same nodes."""
+    asyncio.run(cluster.flushall())
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    mutex = RedisMutex(client, "orders:9")
+    counter = "{orders:9}:counter"
+
+    def work() -> None:
+        for _ in range(10):
+            with mutex:
+                client.set(counter, int(client.get(counter) or 0) + 1)
+
+    run_threads(4, work)
+    assert int(client.get(counter) or 0) == 40
+    assert not mutex.locked()
+    client.close()
