@@ -70,12 +70,13 @@ class Call:
         try:
             self._step.acquire()
         except BaseException:
-            self.loop.call_soon_threadsafe(self._cancel)
+            self.loop.call_soon_threadsafe(self.cancel)
             self._step.acquire(timeout=CLEANUP_BOUND)
             raise
         # The lock is held again now: armed for the next step.
 
-    def _cancel(self) -> None:
+    def cancel(self) -> None:
+        """On the loop: cancel the task (wake the thread at once if it has ended)."""
         if self.task is None:  # not begun yet: `begin` runs before this callback
             return
         if self.task.done():
