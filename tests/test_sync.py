@@ -127,7 +127,7 @@ def test_busy_try_and_timeout(sync_r: redis.Redis) -> None:
         thread.start()
         thread.join(BOUND)
     assert results[0] is False
-    assert isinstance(results[1], float) and 0.25 <= results[1] < 2.0
+    assert isinstance(results[1], float) and 0.25 <= results[1] < 3.0
     assert sync_r.llen("aiolocks:mutex:{busy}:queue") == 0
 
 
@@ -216,12 +216,15 @@ def test_read_write_lock(sync_r: redis.Redis) -> None:
 
 
 def test_rate_limiter_and_registry(sync_r: redis.Redis) -> None:
-    limiter = RedisRateLimiter(sync_r, "api", rate=100, burst=2)
-    assert limiter.acquire() and limiter.acquire()
-    assert not limiter.acquire(blocking=False)
-    with limiter:  # waits for its slot, about 10 ms
+    slow = RedisRateLimiter(sync_r, "api", rate=1, per=60, burst=2)
+    assert slow.acquire() and slow.acquire()
+    assert not slow.acquire(blocking=False)
+    assert not slow.acquire(timeout=0.1)  # the next slot is ~30 s away: refused at once
+    assert slow.statistics().permits == 2
+    fast = RedisRateLimiter(sync_r, "fast", rate=100, burst=1)
+    with fast, fast:  # the second waits for its slot, about 10 ms
         pass
-    assert limiter.statistics().permits == 3
+    assert fast.inspect().burst == 1
     registry = RedisRegistry(sync_r, "users")
     assert registry.register("alice") == 1
     assert registry.register_many(["bob", "alice"]) == [2, 1]
