@@ -25,7 +25,7 @@ from ._engine._context import context_for
 from ._engine._leasedlock import LeasedLock
 from ._engine._observe import Hub, Observer, State, hub_for, info_fields
 from ._engine._settings import DEFAULT_TTL, LostCallback
-from ._leases._lease import Holding
+from ._leases._keeper import Holding
 from ._scripts import load
 
 __all__ = ["ElectionInfo", "LeaderInfo", "RedisElection", "Term"]

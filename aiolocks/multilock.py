@@ -29,7 +29,7 @@ from ._engine import _acquire, _release
 from ._engine._context import ClientContext
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_TTL, LostCallback
-from ._leases._lease import Callbacks, Holding, Lease
+from ._leases._keeper import Callbacks, Holding, Lease
 from ._scripts import load
 from .mutex import MutexInfo, RedisMutex, mutex_spec
 

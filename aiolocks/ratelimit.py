@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Self, final
 
 from ._base import _telemetry
@@ -19,6 +20,7 @@ from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._base._query import AsyncWithOnly
 from ._engine._context import ClientContext, context_for
+from ._engine._release import shielded
 from ._engine._settings import validate_timeout
 from ._scripts import load
 
@@ -40,10 +42,9 @@ MAX_RATE = 1_000_000
 # The longest a burst may span (burst x interval), in microseconds: the scripts' integer
 # arithmetic on server microseconds (about 1.8e15) stays exact below 2^53.
 _MAX_SPAN_US = 2**50
-# How long a give-back waits for the reservation's reply it needs, at most.
+# How long a cancelled wait's give-back (the reservation's reply, then the compare-and-set)
+# may hold its CancelledError back, at most; past it the slot is lost (never exceeded).
 _GIVE_BACK_BOUND = 5.0
-# Give-backs left to finish in the background (a reference, so they are not collected).
-_BACKGROUND: set[asyncio.Future[None]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +85,18 @@ class _SpecView:
     counters: _telemetry.Counters
 
 
-def _positive(value: object, what: str) -> float:
+def _positive(value: object, what: str) -> Fraction:
+    """`value` exactly as written (a float's shortest decimal, not its binary expansion:
+    0.7 / 0.7 is 1), if it is a finite number > 0 that a float can hold."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number, not {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range
+        finite = False
+    if not finite or value <= 0:
         raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return Fraction(value) if isinstance(value, int) else Fraction(repr(value))
 
 
 def _count(value: object, what: str, most: int) -> int:
@@ -101,27 +108,29 @@ def _count(value: object, what: str, most: int) -> int:
 
 
 def validate_settings(rate: object, per: object, burst: object) -> tuple[float, float, int, int]:
-    """(rate, per, burst, microseconds per permit) if they can be a limiter's settings;
-    `burst` None is `rate` (at least 1). Raises `TypeError`/`ValueError` naming the
-    argument otherwise."""
-    rate = _positive(rate, "rate")
-    per = _positive(per, "per")
-    if rate / per > MAX_RATE:
+    """(rate, per, burst, microseconds per permit) if they can be a limiter's settings.
+    Raises `TypeError`/`ValueError` naming the argument otherwise. Computed exactly
+    (fractions): settings with the same ratio give the same interval.
+
+    `burst` None is `rate` (at least 1); one permit every `per / rate` seconds, rounded
+    up to the microsecond (never faster)."""
+    exact_rate = _positive(rate, "rate")
+    exact_per = _positive(per, "per")
+    if exact_rate / exact_per > MAX_RATE:
         raise ValueError(
             f"rate / per must be at most {MAX_RATE:,} per second (one permit per µs), got "
-            f"{rate:g} / {per:g}"
+            f"{rate!r} / {per!r}"
         )
     if burst is None:
-        burst = max(1, min(MAX_BURST, math.floor(rate)))
+        burst = max(1, min(MAX_BURST, math.floor(exact_rate)))
     burst = _count(burst, "burst", MAX_BURST)
-    # Microseconds per permit, rounded up: never faster than asked.
-    interval = math.ceil(per * 1e6 / rate)
+    interval = math.ceil(exact_per * 1_000_000 / exact_rate)
     if interval * burst > _MAX_SPAN_US:
         raise ValueError(
             f"per / rate x burst must be at most {_MAX_SPAN_US / 1e6:.0f} s, got "
-            f"{per:g} / {rate:g} x {burst}"
+            f"{per!r} / {rate!r} x {burst}"
         )
-    return rate, per, burst, interval
+    return float(exact_rate), float(exact_per), burst, interval
 
 
 def validate_cost(cost: object, burst: int) -> int:
@@ -264,7 +273,7 @@ class RedisRateLimiter(AsyncWithOnly):
         try:
             reply = await asyncio.shield(in_flight)
         except asyncio.CancelledError:
-            self._give_back(context, in_flight, cost)
+            await self._give_back(context, in_flight, cost)
             raise
         # The slot is `delay` after the server ran the script, which was before its reply
         # came: counted from the reply, the sleep never ends before the slot on the server.
@@ -280,7 +289,7 @@ class RedisRateLimiter(AsyncWithOnly):
             try:
                 await asyncio.sleep(replied + delay / 1e6 - loop.time())
             except asyncio.CancelledError:
-                self._give_back(context, in_flight, cost)
+                await self._give_back(context, in_flight, cost)
                 raise
             finally:
                 self._stats[2] -= 1
@@ -293,20 +302,19 @@ class RedisRateLimiter(AsyncWithOnly):
             reply: list[Any] = await context.run(_ACQUIRE, (self._key,), args, retry=False)
         return reply
 
-    def _give_back(
+    async def _give_back(
         self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
     ) -> None:
-        """In the background: once the reservation's reply is in, give its slot back."""
-        task = asyncio.ensure_future(self._giving_back(context, in_flight, cost))
-        for running in (_BACKGROUND, context.cleanups):
-            running.add(task)
-            task.add_done_callback(running.discard)
+        """Once the reservation's reply is in, give its slot back; awaited by the cancelled
+        caller (shielded, at most `_GIVE_BACK_BOUND` seconds) before its CancelledError goes
+        on, so that its own next reservation cannot land first and make the slot lost."""
+        await shielded(lambda: self._giving_back(context, in_flight, cost), _GIVE_BACK_BOUND)
 
     async def _giving_back(
         self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
     ) -> None:
         try:
-            reply = await asyncio.wait_for(asyncio.shield(in_flight), _GIVE_BACK_BOUND)
+            reply = await asyncio.shield(in_flight)
         except Exception:
             return  # no reply: whatever it reserved is lost, never exceeded
         if int(reply[0]) != 1:

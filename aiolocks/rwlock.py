@@ -14,7 +14,7 @@ from ._base._query import query
 from ._engine._context import context_for
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
-from ._leases._lease import Holding
+from ._leases._keeper import Holding
 from ._scripts import Script, load
 
 __all__ = ["RWLockInfo", "ReadLock", "RedisReadWriteLock", "WriteLock"]

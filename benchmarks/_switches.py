@@ -18,8 +18,8 @@ from typing import Any
 
 from aiolocks import mutex, registry
 from aiolocks._engine import _acquire
-from aiolocks._leases import _keeper, _renewal
-from aiolocks._transport import _autopipe
+from aiolocks._leases import _keeper
+from aiolocks._transport import _runner
 from aiolocks._waiting import _subscriptions
 
 ENV = "AIOLOCKS_BENCH_FLIP"
@@ -73,7 +73,7 @@ def _no_registry_coalescing() -> None:
 
 
 def _no_renewal_batch() -> None:
-    _renewal.BATCH = 1  # leases per script call
+    _keeper.BATCH = 1  # leases per script call
     _set(_keeper, "BATCH", 1)()  # its imported copy (a round: 8 calls' worth)
 
 
@@ -85,8 +85,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "direct_reads": Switch(
         "the auto-pipeline's replies parsed in the transport's callback, no reader task",
-        "aiolocks._transport._autopipe.DIRECT_READS = False",
-        _set(_autopipe, "DIRECT_READS", False),
+        "aiolocks._transport._runner.DIRECT_READS = False",
+        _set(_runner, "DIRECT_READS", False),
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
@@ -110,8 +110,7 @@ SWITCHES: dict[str, Switch] = {
     ),
     "renewal_batch": Switch(
         "one renew_batch script call renews up to 250 leases",
-        "aiolocks._leases._renewal.BATCH = 1 and aiolocks._leases._keeper.BATCH = 1"
-        " (its round: 8 calls)",
+        "aiolocks._leases._keeper.BATCH = 1 (its round: 8 calls)",
         _no_renewal_batch,
     ),
     "cohorts": Switch(

@@ -260,9 +260,9 @@ CALL_SIZES = (1, 10, 50, 100, 250, 500, 1000, 2000)
 async def call_sizes(url: str) -> list[dict[str, Any]]:
     """Server time per renewal call and per lease, client CPU per lease, by leases per call."""
     from aiolocks._leases import (
-        _renewal,  # (here: a --burst --tree worker may run an older aiolocks)
+        _keeper,  # (here: a --burst --tree worker may run an older aiolocks)
     )
-    from aiolocks._leases._renewal import BATCH, lease_calls
+    from aiolocks._leases._keeper import BATCH, lease_calls
 
     client = redis.asyncio.Redis.from_url(url)
     admin = redis.asyncio.Redis.from_url(url)
@@ -275,7 +275,7 @@ async def call_sizes(url: str) -> list[dict[str, Any]]:
         leases = [h.lease for lock in locks for h in lock._holdings.values() if h.lease]
         for size in CALL_SIZES:
             rounds = max(5, 20_000 // size)
-            _renewal.BATCH = size  # (this process only: one call of `size` leases)
+            _keeper.BATCH = size  # (this process only: one call of `size` leases)
             calls = lease_calls(leases[:size], cluster=False)
             assert len(calls) == 1
             await context.pipeline([calls[0].staged()])  # the script is loaded
@@ -298,7 +298,7 @@ async def call_sizes(url: str) -> list[dict[str, Any]]:
             )
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        _renewal.BATCH = BATCH
+        _keeper.BATCH = BATCH
         await context_for(client).aclose()
         await client.aclose()
         await admin.aclose()
@@ -355,7 +355,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def main_calls(args: argparse.Namespace) -> None:
-    from aiolocks._leases import _renewal
+    from aiolocks._leases import _keeper
 
     began = time.monotonic()
     with bench_server(args.url) as (url, source):
@@ -366,7 +366,7 @@ async def main_calls(args: argparse.Namespace) -> None:
         "machine": machine(),
         "server": server,
         "took_s": round(time.monotonic() - began, 1),
-        "batch_in_use": _renewal.BATCH,
+        "batch_in_use": _keeper.BATCH,
         "fields": {
             "server_us_per_call": "INFO commandstats usec_per_call of EVALSHA (renew_batch.lua)",
             "client_cpu_us_per_lease": "process CPU to build, send and read one call / leases",

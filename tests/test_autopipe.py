@@ -1,4 +1,4 @@
-"""Auto-pipelining of the engine's script calls (`aiolocks/_transport/_autopipe.py`: the
+"""Auto-pipelining of the engine's script calls (`aiolocks/_transport/_runner.py`: the
 pipeline, its link and the link's direct reads), on real servers.
 
 Batches are counted by the engine (`AutoPipeline.batches_sent`, `commands_sent`) and by the
@@ -24,13 +24,12 @@ from aiolocks import RedisMutex, ServerUnavailable
 from aiolocks._base import _adapter
 from aiolocks._engine._context import ClientContext, context_for
 from aiolocks._scripts import Script
-from aiolocks._transport import _autopipe
-from aiolocks._transport._autopipe import AutoPipeline
-from aiolocks._transport._runner import AUTOPIPELINE_ENV
+from aiolocks._transport import _runner
+from aiolocks._transport._runner import AUTOPIPELINE_ENV, AutoPipeline
 
 # Direct reads parse with hiredis; without it (a cell of `nox -s compat`) redis-py reads.
 needs_hiredis = pytest.mark.skipif(
-    not _autopipe.HIREDIS, reason="direct reads need hiredis, which is not installed"
+    not _runner.HIREDIS, reason="direct reads need hiredis, which is not installed"
 )
 
 NAME = "autopipe-test"  # the client name the tests' clients give their connections
@@ -341,7 +340,7 @@ async def test_an_idle_link_gives_its_connection_back(
 ) -> None:
     """As redis-py left it: the transport gets the connection's own protocol back, and
     redis-py reads that connection again."""
-    monkeypatch.setattr(_autopipe, "IDLE_S", 0.05)
+    monkeypatch.setattr(_runner, "IDLE_S", 0.05)
     context = context_for(named)
     assert await context.run(ECHO, (), ("x",)) == b"x"
     link = _pipe(context)._link
@@ -411,7 +410,7 @@ async def test_replies_are_parsed_where_they_arrive(url: str, protocol: int, dec
             context.run(fresh, (), ()),
             return_exceptions=True,
         )
-        assert isinstance(_replies_protocol(_pipe(context)), _autopipe.Replies)
+        assert isinstance(_replies_protocol(_pipe(context)), _runner.Replies)
         expected = [f"v{i}" if decode else f"v{i}".encode() for i in range(50)]
         assert replies[:50] == expected
         assert isinstance(replies[50], redis.exceptions.ResponseError)
@@ -502,7 +501,7 @@ async def test_a_stalled_direct_link_fails_its_calls_after_socket_timeout(
 async def test_the_redis_py_reader_still_serves_when_direct_reads_are_off(
     named: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_autopipe, "DIRECT_READS", False)
+    monkeypatch.setattr(_runner, "DIRECT_READS", False)
     context = context_for(named)
     replies = await asyncio.gather(
         *(context.run(ECHO, (), (f"v{i}",)) for i in range(20)),
@@ -515,4 +514,4 @@ async def test_the_redis_py_reader_still_serves_when_direct_reads_are_off(
     assert link is not None and link.parser is None
     writer = link.connection._writer
     assert writer is not None
-    assert not isinstance(writer.transport.get_protocol(), _autopipe.Replies)
+    assert not isinstance(writer.transport.get_protocol(), _runner.Replies)

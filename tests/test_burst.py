@@ -19,7 +19,7 @@ from _probes import Renewals
 
 from aiolocks import RedisMutex
 from aiolocks._engine._context import context_for
-from aiolocks._leases._lease import Lease
+from aiolocks._leases._keeper import Lease
 from aiolocks._transport._runner import AUTOPIPELINE_ENV
 
 

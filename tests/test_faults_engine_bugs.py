@@ -39,7 +39,7 @@ from aiolocks._engine import _acquire, _release
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
 from aiolocks._scripts import Script
-from aiolocks._transport import _autopipe
+from aiolocks._transport import _runner
 from aiolocks._transport._runner import AUTOPIPELINE_ENV
 from aiolocks.election import _Candidacy
 
@@ -384,8 +384,8 @@ async def test_a_blackholed_link_does_not_hold_every_script_call(
     replies are parsed where they arrive or read by its task (connections that are not
     sockets, RESP3 without hiredis' push type). Before, every script call of the client
     waited on the dead link: a free mutex was not acquired within 5 s."""
-    monkeypatch.setattr(_autopipe, "STALL_BOUND", 1.0)
-    monkeypatch.setattr(_autopipe, "DIRECT_READS", reads == "direct")
+    monkeypatch.setattr(_runner, "STALL_BOUND", 1.0)
+    monkeypatch.setattr(_runner, "DIRECT_READS", reads == "direct")
     client = redis.asyncio.Redis.from_url(proxy.url, socket_timeout=None)
     try:
         lock = RedisMutex(client, "blackholed", ttl=5)

@@ -17,8 +17,7 @@ from _servers import ServerProcess
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
-from aiolocks._leases._lease import Lease
-from aiolocks._leases._renewal import BATCH
+from aiolocks._leases._keeper import BATCH, Lease
 from aiolocks._leases._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
 

@@ -20,17 +20,9 @@ from _web import ONE_SERVER
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
-from aiolocks._engine._context import context_for
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 KEY = b"aiolocks:ratelimit:{api}:state"
-
-
-async def _settled(client: redis.asyncio.Redis) -> None:
-    """Wait (bounded) for the give-backs a cancellation started in the background."""
-    cleanups = list(context_for(client).cleanups)
-    if cleanups:
-        await asyncio.wait_for(asyncio.gather(*cleanups), 5)
 
 
 def _most_in_window(slots: list[int], window_us: int) -> int:
@@ -140,9 +132,30 @@ async def test_cancelled_wait_gives_its_slot_back(r: redis.asyncio.Redis) -> Non
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    await _settled(r)
     assert (await r.get(KEY) or b"").split()[0] == before  # the same slot is free again
     assert limiter.statistics().given_back == 1
+
+
+async def test_cancelled_wait_gives_its_slot_back_before_its_cancellation_returns(
+    r: redis.asyncio.Redis,
+) -> None:
+    """The issue's case (rate 1/s, burst 1): the slot a cancelled wait reserved is back by
+    the time its CancelledError reaches the caller, so the caller's next try gets it (a
+    wait of ~0.8 s; 1.8 s when the give-back ran after the next reservation)."""
+    limiter = RedisRateLimiter(r, "api", rate=1, per=1.0, burst=1)
+    assert await limiter.acquire()
+    before = (await r.get(KEY) or b"").split()[0]
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.2)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert (await r.get(KEY) or b"").split()[0] == before  # already given back
+    assert limiter.statistics().given_back == 1
+    started = time.monotonic()
+    assert await limiter.acquire(timeout=3)
+    waited = time.monotonic() - started
+    assert waited <= 1.0 + 0.3, waited  # ~0.8 s: its slot, not the one after it
 
 
 async def test_cancelled_wait_with_a_later_reservation_loses_its_slot(
@@ -158,7 +171,6 @@ async def test_cancelled_wait_with_a_later_reservation_loses_its_slot(
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
-    await _settled(r)
     assert await r.get(KEY) == state  # the later reservation stands; the slot is lost
     assert limiter.statistics().slots_lost == 1
     started = time.monotonic()
@@ -327,3 +339,34 @@ async def test_cli_inspect_and_list_show_the_next_slot_and_the_settings(
 
     refused = await cli("release", "api", "--force", "--yes", "--url", url)
     assert refused.code != 0 and "is not a lock" in refused.err
+
+
+# -- settings computed exactly ---------------------------------------------------------------
+
+
+def test_settings_with_the_same_ratio_are_the_same_limit() -> None:
+    """Every pair of decimal settings with one ratio gives one interval (float arithmetic
+    gave 1,000,001 µs for rate=0.7, per=0.7 against 1,000,000 for 1/1)."""
+    client = redis.asyncio.Redis(port=1)
+    decimals = [n / 10 for n in range(1, 100)] + [n / 100 for n in range(1, 100, 7)]
+    for ratio in (1, 2, 5, 10):
+        intervals = {
+            RedisRateLimiter(client, "api", rate=value * ratio, per=value, burst=1)._interval
+            for value in decimals
+            if value * ratio == round(value * ratio, 2)  # the rate as written, too
+        }
+        assert intervals == {1_000_000 // ratio}, (ratio, intervals)
+    assert (
+        RedisRateLimiter(client, "api", rate=0.7, per=0.7, burst=1)._interval
+        == RedisRateLimiter(client, "api", rate=1, per=1, burst=1)._interval
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"rate": 10**400}, {"rate": 1, "per": 10**400}, {"rate": 1e308, "per": 1e308}],
+)
+def test_finite_settings_too_large_are_a_value_error(options: dict[str, Any]) -> None:
+    client = redis.asyncio.Redis(port=1)
+    with pytest.raises(ValueError, match=r"(rate|per)"):
+        RedisRateLimiter(client, "api", **options)

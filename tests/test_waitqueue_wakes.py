@@ -26,7 +26,7 @@ from aiolocks import RedisMutex
 from aiolocks._base._spec import Spec
 from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
-from aiolocks._waiting._lot import Waiter, Wake
+from aiolocks._waiting._waitqueue import Waiter, Wake
 
 PLAIN = [variant for variant in VARIANTS if variant.endswith("-plain")]
 TIMER_BOUND = 0.3  # the lot's timer re-checks within this of the lease's end (loaded machine)

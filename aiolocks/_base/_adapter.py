@@ -1,6 +1,6 @@
 """Everything aiolocks needs from a client library beyond its documented API, in one place.
 
-The engine reads replies where they arrive (`_autopipe`'s direct reads), takes a
+The engine reads replies where they arrive (`_runner`'s direct reads), takes a
 connection of a pool for its own use, subscribes to sharded channels, and looks whether a
 client still holds connections. redis-py documents none of that, and it has changed across
 the release lines aiolocks supports (redis-py 5.0 to 8.x, and valkey-py, its fork): the

@@ -76,7 +76,7 @@ class SpecView(Protocol):
 
 
 class HoldingView(Protocol):
-    """One holding (`_leases._lease.Holding`)."""
+    """One holding (`_leases._keeper.Holding`)."""
 
     @property
     def token(self) -> str: ...

@@ -53,8 +53,8 @@ from .._base._spec import (
     Spec,
     first_grant,
 )
-from .._leases._lease import validity
-from .._waiting._lot import Waiter, Wake
+from .._leases._keeper import validity
+from .._waiting._waitqueue import Waiter, Wake
 from ._context import ClientContext
 from ._release import (
     CLEANUP_BOUND,

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from .._base import _telemetry
 from .._base._spec import Grant, Spec
-from .._leases._lease import Callbacks, Holding, Lease, LeaseOwner, validity
+from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, validity
 from . import _release
 from ._context import ClientContext
 from ._release import Unanswered

