@@ -21,6 +21,7 @@ from aiolocks.sync import (
     RedisReadWriteLock,
     RedisRegistry,
     RedisSemaphore,
+    _clients,
     _runner,
 )
 
@@ -307,3 +308,16 @@ def test_a_cluster_client(cluster: Any) -> None:
     assert int(client.get(counter) or 0) == 40
     assert not mutex.locked()
     client.close()
+
+
+def test_sync_clients_with_the_same_settings_share_one_engine(
+    valkey_notify: ServerProcess,
+) -> None:
+    """A client made per task (a common Celery habit) costs no new engine client."""
+    first = redis.Redis.from_url(valkey_notify.url)
+    again = redis.Redis.from_url(valkey_notify.url)
+    other = redis.Redis.from_url(valkey_notify.url, client_name="other")
+    assert _clients.async_client(first) is _clients.async_client(again)
+    assert _clients.async_client(first) is not _clients.async_client(other)
+    for client in (first, again, other):
+        client.close()
