@@ -112,8 +112,10 @@ def validate_settings(rate: object, per: object, burst: object) -> tuple[float, 
     Raises `TypeError`/`ValueError` naming the argument otherwise. Computed exactly
     (fractions): settings with the same ratio give the same interval.
 
-    `burst` None is `rate` (at least 1); one permit every `per / rate` seconds, rounded
-    up to the microsecond (never faster)."""
+    With `burst` given: GCRA with that burst and one permit every `per / rate` seconds
+    (rounded up to the microsecond: never faster), at most `burst + rate * t / per` over
+    any t. Without (`burst` None): the window reading, at most `rate` permits in any
+    window of `per` seconds, bursts included (see `window_settings`)."""
     exact_rate = _positive(rate, "rate")
     exact_per = _positive(per, "per")
     if exact_rate / exact_per > MAX_RATE:
@@ -122,15 +124,35 @@ def validate_settings(rate: object, per: object, burst: object) -> tuple[float, 
             f"{rate!r} / {per!r}"
         )
     if burst is None:
-        burst = max(1, min(MAX_BURST, math.floor(exact_rate)))
-    burst = _count(burst, "burst", MAX_BURST)
-    interval = math.ceil(exact_per * 1_000_000 / exact_rate)
+        burst, interval = window_settings(exact_rate, exact_per)
+    else:
+        burst = _count(burst, "burst", MAX_BURST)
+        interval = math.ceil(exact_per * 1_000_000 / exact_rate)
     if interval * burst > _MAX_SPAN_US:
         raise ValueError(
             f"per / rate x burst must be at most {_MAX_SPAN_US / 1e6:.0f} s, got "
             f"{per!r} / {rate!r} x {burst}"
         )
     return float(exact_rate), float(exact_per), burst, interval
+
+
+def window_settings(rate: Fraction, per: Fraction) -> tuple[int, int]:
+    """(burst, microseconds per permit) of GCRA that grants at most `rate` permits in any
+    window of `per` seconds (closed, on the server's clock), bursts included.
+
+    `rate` below 1 is 1 permit per `per / rate` seconds; otherwise `rate` is rounded down
+    (at most 2.5 in a second is at most 2). For n permits in a window of w: GCRA with
+    burst b and interval T grants at most b + floor(w / T) in any closed window of w
+    (docs/architecture.md shows why), so T, the smallest whole microsecond above
+    w / (n - b + 1), keeps n; the burst is a twentieth of n (at least 1), so a busy
+    window still gets n - b + 1 (95% of n or more) and the state stays one string."""
+    if rate < 1:
+        count, window = 1, per / rate
+    else:
+        count, window = math.floor(rate), per
+    burst = min(MAX_BURST, max(1, count // 20))
+    interval = math.floor(window * 1_000_000 / (count - burst + 1)) + 1
+    return burst, interval
 
 
 def validate_cost(cost: object, burst: int) -> int:
@@ -140,12 +162,13 @@ def validate_cost(cost: object, burst: int) -> int:
 
 @final
 class RedisRateLimiter(AsyncWithOnly):
-    """At most `rate` permits per `per` seconds on average, across every process using the
-    name; at most `burst` (default: `rate`, at least 1) at once.
+    """At most `rate` permits per `per` seconds across every process using the name.
 
-    The exact guarantee: over any interval of length t, the permits granted number at most
-    `burst + rate * t / per`, counted across every process and client using the name with
-    the same settings, on the server's clock; a granted caller never starts before its slot.
+    Without `burst`: at most `rate` permits in any window of `per` seconds, bursts included
+    (a twentieth of `rate` at once, at least 1; `window_settings`). With `burst`: over any
+    interval of length t, at most `burst + rate * t / per`. Both counted across every
+    process and client using the name with the same settings, on the server's clock; a
+    granted caller never starts before its slot.
 
     - `acquire()` reserves the earliest slot in one script call and sleeps until it: no
       command while waiting; callers get their slots in the order their calls reached the

@@ -73,6 +73,42 @@ async def test_bound_across_four_processes(r: redis.asyncio.Redis, url: str) -> 
     assert figures[1_000_000][0] >= 0.9 * figures[1_000_000][1], figures
 
 
+@pytest.mark.slow
+async def test_default_is_at_most_rate_in_any_window_across_four_processes(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    """The default (no burst): at most `rate` grants in any window of `per` seconds, the
+    burst included, counted on the server's clock across 4 processes x 6 tasks; and a busy
+    window still gets at least 95% of `rate`. The issue's rate=100, per=60 scaled in time
+    by 1/20 (rate=100, per=3: the same counts, burst 5 and 96 per window, in seconds)."""
+    rate, per, workers, tasks, seconds = 100, 3.0, 4, 6, 7.0
+    results = await arun_workers(
+        str(WORKERS / "ratelimit_user.py"),
+        [[str(arg) for arg in (url, "win", rate, per, "none", workers, tasks, seconds)]] * workers,
+        timeout=60,
+    )
+    slots: list[int] = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
+        assert len(line) == 1, result.stdout
+        slots += [slot for slot, _ in json.loads(line[0].removeprefix("grants "))]
+    window_us = round(per * 1e6)
+    most = _most_in_window(slots, window_us)
+    ordered = sorted(slots)
+    busy = [
+        bisect.bisect_right(ordered, start + window_us) - index
+        for index, start in enumerate(ordered)
+        if start + window_us <= ordered[-1]
+    ]
+    print(f"window test: {len(slots)} grants, most in any {per:g} s window {most}", end="")
+    print(f", least in a busy one {min(busy) if busy else None}")
+    assert most <= rate, (most, len(slots))
+    assert busy and min(busy) >= 0.95 * rate, (min(busy), most, len(slots))
+    # the start: the burst (5) at once (the 6th is 31 ms later), the window filled to its bound
+    assert _most_in_window(slots, 15_000) == 5 and most == rate, (most, len(slots))
+
+
 # -- one process ----------------------------------------------------------------------------
 
 
@@ -196,18 +232,41 @@ async def test_cost_takes_several_permits(r: redis.asyncio.Redis) -> None:
 
 
 async def test_settings_mismatch_is_refused(r: redis.asyncio.Redis) -> None:
-    assert await RedisRateLimiter(r, "api", rate=10).acquire()
+    assert await RedisRateLimiter(r, "api", rate=10, burst=10).acquire()
     state = await r.get(KEY)
     for other in (
-        RedisRateLimiter(r, "api", rate=20),
+        RedisRateLimiter(r, "api", rate=20, burst=10),
         RedisRateLimiter(r, "api", rate=10, burst=3),
-        RedisRateLimiter(r, "api", rate=10, per=2.0),
+        RedisRateLimiter(r, "api", rate=10, per=2.0, burst=10),
+        RedisRateLimiter(r, "api", rate=10),  # the default: at most 10 in any second
     ):
         with pytest.raises(LimitMismatch, match=r"stored with rate=10\.0 per=1\.0 burst=10"):
             await other.acquire()
     assert await r.get(KEY) == state
     # the same limit written otherwise is the same limit
     assert await RedisRateLimiter(r, "api", rate=600, per=60, burst=10).acquire()
+    assert await RedisRateLimiter(r, "api", rate=0.7, per=0.07, burst=10).acquire()
+
+
+async def test_default_settings_are_the_window_reading(r: redis.asyncio.Redis) -> None:
+    """No burst: at most `rate` in any window of `per`: a twentieth of it at once (at
+    least 1), then one permit a little more often than every per / (rate - burst + 1)."""
+    client = redis.asyncio.Redis(port=1)
+    figures = {
+        (rate, per): (limiter.burst, limiter._interval)
+        for rate, per in ((100, 60), (10, 1), (1, 1), (0.5, 1), (2.5, 1), (350, 10))
+        for limiter in [RedisRateLimiter(client, "api", rate=rate, per=per)]
+    }
+    assert figures == {
+        (100, 60): (5, 625_001),  # 5 + floor(60 s / 625,001 µs) = 5 + 95 = 100
+        (10, 1): (1, 100_001),
+        (1, 1): (1, 1_000_001),
+        (0.5, 1): (1, 2_000_001),  # 1 in any 2 s
+        (2.5, 1): (1, 500_001),  # 2 in any second
+        (350, 10): (17, 29_941),
+    }
+    limiter = RedisRateLimiter(r, "api", rate=100, per=60)
+    assert [await limiter.acquire(blocking=False) for _ in range(6)] == [True] * 5 + [False]
 
 
 async def test_key_expires_once_idle(r: redis.asyncio.Redis) -> None:

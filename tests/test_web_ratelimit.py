@@ -90,7 +90,7 @@ def test_fastapi_bad_arguments_fail_when_the_app_is_built() -> None:
     with pytest.raises(ValueError, match="rate must be a finite number > 0"):
         request_limit("api", rate=0)
     with pytest.raises(ValueError, match=r"cost must be in 1\.\.2"):
-        request_limit("api", rate=2, cost=3)
+        request_limit("api", rate=2, burst=2, cost=3)
     with pytest.raises(ValueError, match="busy_status must be an HTTP status"):
         request_limit("api", rate=2, busy_status=200)
     with pytest.raises(ValueError, match="lock name template"):

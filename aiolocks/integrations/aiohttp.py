@@ -171,7 +171,8 @@ def limit_middleware(
 ) -> Any:
     """A middleware letting each request in only within the rate limit `name(request)`
     (none if it returns None): a `RedisRateLimiter` of `rate` requests per `per` seconds,
-    at most `burst` (default `rate`) at once, across every process.
+    at most `burst` at once (without `burst`: at most `rate` in any window of `per`),
+    across every process.
 
     - `timeout`: 0 (the default) refuses at once when no slot is free now; a number of
       seconds waits up to that long for a slot first; None waits for it whenever it comes.

@@ -2,6 +2,8 @@
 
     python ratelimit_user.py URL NAME RATE PER BURST WORKERS TASKS SECONDS
 
+BURST `none` is the default (the window reading).
+
 Waits until all WORKERS have connected (a barrier on the server), then runs TASKS tasks
 sharing one limiter for SECONDS: each loops `acquire(timeout=<time left>)`. For each grant
 it records the slot the server gave (its reply's clock plus the delay, in server
@@ -41,7 +43,8 @@ def spy_on_replies() -> None:
 
 async def main(argv: list[str]) -> int:
     url, name = argv[0], argv[1]
-    rate, per, burst = float(argv[2]), float(argv[3]), int(argv[4])
+    rate, per = float(argv[2]), float(argv[3])
+    burst = None if argv[4] == "none" else int(argv[4])
     workers, tasks, seconds = int(argv[5]), int(argv[6]), float(argv[7])
     client = redis.asyncio.Redis.from_url(url)
     spy_on_replies()
