@@ -1,6 +1,7 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
 (`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`,
-`mutants` the simulation's mutation score, `compat` the compatibility matrix).
+`sweep` the simulation on seeds 1-1000, `mutants` the simulation's mutation score,
+`compat` the compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
 go to pytest (`tests`) or to the benchmark script (`bench`).
@@ -117,6 +118,18 @@ def simulate(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     args = session.posargs or ["--minutes", "1"]
     session.run("python", "-m", "tests.sim", *args, env={"PYTHONHASHSEED": "0"})
+
+
+@nox.session
+def sweep(session: nox.Session) -> None:
+    """The simulation's broad sweep: seeds 1-1000 (`-- --seeds A-B` others), 20 virtual s
+    each, as many at once as the machine has cores; replay a failing one with
+    `nox -s simulate -- --seed N`."""
+    session.install("-e", ".[test]")
+    args = session.posargs or ["--seeds", "1-1000"]
+    jobs = str(os.cpu_count() or 1)
+    command = ["python", "-m", "tests.sim", "--duration", "20", "--jobs", jobs, *args]
+    session.run(*command, env={"PYTHONHASHSEED": "0"})
 
 
 @nox.session

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Any
@@ -308,6 +311,103 @@ async def _exits(library: str, url: str, make: Callable[[], Any]) -> dict[str, A
     return {"autopipe=1": on, "autopipe=0": off}
 
 
+KILL_SECONDS = 6.0  # 1-6 errors per ~900 waits on redis-py 5.0.8 and 7.4.1 before the fix
+WAITERS = 8
+
+
+async def _kill_race(library: str, url: str) -> dict[str, Any]:
+    """Waiters on fresh names behind another client's holder, on a client with
+    `socket_timeout`, while the pub/sub connection is killed every 10-120 ms (`CLIENT KILL
+    TYPE pubsub`): each wait times out, never ends in an error of the client's."""
+    lib = importlib.import_module(f"{library}.asyncio")
+    cls: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis")
+    holder_client, client = cls.from_url(url), cls.from_url(url, socket_timeout=1)
+    admin = cls.from_url(url)
+    errors: list[str] = []
+    waits = 0
+    done = asyncio.Event()
+    rng = random.Random(7)
+
+    async def killer() -> None:
+        while not done.is_set():
+            with suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(done.wait(), rng.uniform(0.01, 0.12))  # a kill's pace
+            with suppress(Exception):
+                await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+
+    async def waiter(index: int) -> None:
+        nonlocal waits
+        round_ = 0
+        while not done.is_set():
+            round_ += 1
+            name = f"kill-{os.getpid()}-{index}-{round_}"
+            holder = RedisMutex(holder_client, name, ttl=TTL)
+            await holder.acquire()
+            try:
+                if await RedisMutex(client, name, ttl=TTL).acquire(timeout=0.05):
+                    errors.append(f"{name}: acquired behind a holder")
+                waits += 1
+            except Exception as exc:  # what the fix must leave out of acquire()
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            finally:
+                await holder.release()
+
+    kills = asyncio.create_task(killer())
+    tasks = [asyncio.create_task(waiter(index)) for index in range(WAITERS)]
+    await asyncio.sleep(KILL_SECONDS)  # the probe's length, not a wait for anything
+    done.set()
+    await asyncio.gather(kills, *tasks)
+    for each in (holder_client, client, admin):
+        await each.aclose()
+    return {"ok": not errors and waits > 0, "waits": waits, "errors": errors[:10]}
+
+
+DROPPED = 10  # clients made, used (a holding, a wait woken by message) and dropped
+
+
+async def _dropped(library: str, url: str) -> dict[str, Any]:
+    """Clients used and dropped without `aclose()`: each is collected, and its engine's
+    connections (the pipeline's link, pub/sub) are closed with it."""
+    lib = importlib.import_module(f"{library}.asyncio")
+    cls: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis")
+    admin = cls.from_url(url)
+    tag = f"aiolocks-dropped-{os.getpid()}"
+    collected = 0
+
+    def gone() -> None:
+        nonlocal collected
+        collected += 1
+
+    async def use(index: int) -> None:
+        client = cls.from_url(url, client_name=tag)
+        weakref.finalize(client, gone)
+        holder, waiter = RedisMutex(admin, f"{tag}-{index}"), RedisMutex(client, f"{tag}-{index}")
+        await holder.acquire()
+        waiting = asyncio.create_task(waiter.acquire(timeout=WAKE_BOUND))
+        await asyncio.sleep(0.2)  # queued and subscribed (the release wakes it either way)
+        await holder.release()
+        assert await waiting
+        await waiter.release()
+
+    async def settled() -> None:
+        """Every task but this one done (the engines' idle keepers end, the finalizers'
+        closes run), within a bound."""
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=QUEUED_BOUND)
+
+    try:
+        for index in range(DROPPED):
+            await use(index)
+        await settled()  # the idle lease keepers end (they hold their engine until then)
+        gc.collect()  # the clients' cycles; their engines' loop-end finalizers are scheduled
+        await settled()
+        left = [c for c in await admin.client_list() if c.get("name") == tag]
+    finally:
+        await admin.aclose()
+    return {"ok": collected == DROPPED and not left, "collected": collected, "left": len(left)}
+
+
 async def run(library: str, url: str, unix: str, only: list[str] | None = None) -> dict[str, Any]:
     lib = importlib.import_module(f"{library}.asyncio")
     admin: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis").from_url(url)
@@ -329,9 +429,11 @@ async def run(library: str, url: str, unix: str, only: list[str] | None = None) 
                 alone = await _configuration(make, admin, f"{tag}a", _Window(admin, 1))
                 results[name] = {**alone, "measured": "alone, after a shared window had commands"}
         exits = await _exits(library, url, configs["default"]) if only is None else {}
+        kill_race = await _kill_race(library, url) if only is None else {}
+        dropped = await _dropped(library, url) if only is None else {}
     finally:
         await admin.aclose()
-    return {"configs": results, "exits": exits}
+    return {"configs": results, "exits": exits, "kill_race": kill_race, "dropped": dropped}
 
 
 def main() -> None:

@@ -205,13 +205,13 @@ async def proxied(proxy: Proxy) -> AsyncIterator[redis.asyncio.Redis]:
 def _written(pipe: AutoPipeline) -> asyncio.Event:
     """Set once the next batch is being written (the engine counts it just before)."""
     written = asyncio.Event()
-    count = pipe._sent
+    count = pipe._count
 
     def sent(commands: int) -> None:
         count(commands)
         written.set()
 
-    pipe._sent = sent
+    pipe._count = sent  # type: ignore[method-assign]
     return written
 
 

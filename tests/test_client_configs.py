@@ -194,6 +194,23 @@ def test_a_clean_exit_right_after_a_cancellation_withdraws_the_waiter(
     assert cell["ok"], cell  # exit status 0, nothing on stderr ("never awaited")
 
 
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_waits_survive_pubsub_kills_with_a_socket_timeout(matrix: Matrix, release: str) -> None:
+    """Issue 40: with `socket_timeout`, redis-py 5.0.8 and 7.4.1 wrote a subscription on a
+    pub/sub connection its reader had just dropped (AttributeError 'writelines' out of
+    acquire()), or re-connected it beside the reader (RuntimeError)."""
+    cell = matrix.result(release)["kill_race"]
+    assert cell["ok"], cell
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_a_client_dropped_without_aclose_is_collected(matrix: Matrix, release: str) -> None:
+    """Issue 40: the engine's background tasks held its context and so the client: 10
+    clients dropped kept 10-20 connections open until the loop ended."""
+    cell = matrix.result(release)["dropped"]
+    assert cell["ok"], cell
+
+
 async def test_closing_the_client_closes_the_engines_connections(url: str) -> None:
     """The engine's connections are its own (not the pool's), yet `client.aclose()` closes
     them too, as it did when they were the pool's: a program that makes a client per job

@@ -9,9 +9,12 @@ under a held lock.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
+import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ import redis.asyncio
 from _cluster import Cluster, names_on_each_node
 from _lockworker import CLUSTER_SCHEME
 from _probes import QueueProbe, Renewals
-from _sentinel import SentinelGroup
+from _sentinel import MASTER_NAME, SentinelGroup
 from _servers import arun_workers, command_count
 from conftest import SENTINEL_VARIANTS, open_sentinel_group
 from redis.asyncio.cluster import RedisCluster
@@ -382,3 +385,63 @@ async def test_renewals_go_out_one_call_per_slot(
     # Hand everything back: a keeper left renewing on a client the fixture then closes
     # leaves sockets behind for a later test to trip over.
     await asyncio.gather(*(permits.release() for _ in range(30)), *(m.release() for m in mutexes))
+
+
+@pytest.mark.parametrize("variant", SENTINEL_VARIANTS)
+async def test_a_sentinel_client_dropped_without_aclose_is_collected_cleanly(
+    variant: str,
+) -> None:
+    """Issue 40: a Sentinel-managed pool gives its connections a weak proxy of itself, and
+    the engine's pool copies it. A client dropped without `aclose()` goes with its pool in
+    one garbage collection, before its engine's connections are closed: closing them must
+    not need the pool (no ReferenceError, in a task or a log), and leaves none open."""
+    errors: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: errors.append(repr(context)))
+    handler = _Errors(errors)
+    logging.getLogger().addHandler(handler)
+    tag = f"aiolocks-sentinel-dropped-{variant}"
+    try:
+        async with open_sentinel_group(variant) as group:
+            admin, sentinel = group.master_for(), group.sentinel()
+            collected: list[int] = []
+            for index in range(3):
+                client = sentinel.master_for(MASTER_NAME, client_name=tag)  # not kept by group
+                weakref.finalize(client, collected.append, index)
+                holder, waiter = RedisMutex(admin, f"sd{index}"), RedisMutex(client, f"sd{index}")
+                assert await holder.acquire()
+                probe = QueueProbe(client)
+                waiting = asyncio.create_task(waiter.acquire(timeout=10))
+                await probe.wait_queued(1)  # queued and subscribed: woken by the message
+                await holder.release()
+                assert await waiting
+                await waiter.release()
+                del client, waiter, waiting, probe
+            await _settled()  # the idle lease keepers end (they hold their engine until then)
+            gc.collect()
+            await _settled()  # the collected engines' connections closed
+            assert sorted(collected) == [0, 1, 2]
+            left = [c for c in await admin.client_list() if c.get("name") == tag]
+            assert not left, left
+            await admin.aclose()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        loop.set_exception_handler(None)
+    assert not errors, errors
+
+
+class _Errors(logging.Handler):
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.errors = errors
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or "ReferenceError" in record.getMessage():
+            self.errors.append(self.format(record))
+
+
+async def _settled() -> None:
+    """Every other task done, within a bound."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=10)

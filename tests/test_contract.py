@@ -224,6 +224,21 @@ async def test_decorator_holds_the_lock_for_each_call(
     assert not await lock.locked()
 
 
+async def test_decorating_a_plain_function_is_a_type_error(
+    any_r: redis.asyncio.Redis, make_lock: LockFactory
+) -> None:
+    lock = make_lock(any_r, "c:decorator-sync")
+
+    def charge(order: int) -> int:
+        return order
+
+    with pytest.raises(TypeError, match=r"async def charge.*async with"):
+        lock(charge)
+    with pytest.raises(TypeError, match="coroutine functions"):
+        lock(print)
+    assert not await lock.locked()
+
+
 async def test_statistics_are_local_and_cheap(
     any_r: redis.asyncio.Redis, make_lock: LockFactory
 ) -> None:

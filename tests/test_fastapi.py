@@ -27,8 +27,13 @@ from pydantic import BaseModel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from aiolocks import RedisMutex, RedisSemaphore
-from aiolocks.integrations.fastapi import HeldLock, request_lock
+from aiolocks import LockNotOwned, RedisMutex, RedisSemaphore
+from aiolocks.integrations.fastapi import (
+    HeldLock,
+    TemplateMismatch,
+    lock_error_handlers,
+    request_lock,
+)
 from aiolocks.testing import expire_leases
 
 
@@ -237,6 +242,52 @@ async def test_names_from_the_query_string_a_body_or_a_callable(r: redis.asyncio
 
 
 @ONE_SERVER
+async def test_a_template_field_the_route_lacks_is_the_servers_error(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A typo (`{orderid}` on `/orders/{order_id}/charge`): not a 422 blaming the API
+    client, and a client's `?orderid=999` does not choose the lock."""
+    app = FastAPI()
+    typo = request_lock("orders:{orderid}", client=r)
+
+    @app.post("/orders/{order_id}/charge")
+    async def charge(order_id: int, held: Annotated[HeldLock, Depends(typo)]) -> str:
+        return held.name
+
+    async with http(app) as client:
+        for query in ("", "?orderid=999"):
+            with pytest.raises(TemplateMismatch) as raised:
+                await client.post(f"/orders/7/charge{query}")
+            message = str(raised.value)
+            assert "'orderid'" in message and "POST /orders/{order_id}/charge" in message
+            assert "path parameter (order_id)" in message
+            assert "declared query parameter (none)" in message
+    assert await is_free(r, "orders:999") and await is_free(r, "orders:7")
+
+
+@ONE_SERVER
+async def test_the_query_string_fills_only_declared_query_parameters(
+    r: redis.asyncio.Redis,
+) -> None:
+    app = FastAPI()
+    lock = request_lock("reports:{kind}:{day}", client=r)
+
+    @app.get("/reports/{kind}")
+    async def declared(kind: str, day: str, held: Annotated[HeldLock, Depends(lock)]) -> str:
+        return held.name
+
+    @app.get("/other/{kind}")
+    async def undeclared(kind: str, held: Annotated[HeldLock, Depends(lock)]) -> str:
+        return held.name
+
+    async with http(app) as client:
+        answer = await client.get("/reports/daily", params={"day": "mon", "kind": "x"})
+        assert answer.json() == "reports:daily:mon"  # the path wins over the query string
+        with pytest.raises(TemplateMismatch, match=r"'day'.*GET /other/\{kind\}"):
+            await client.get("/other/daily", params={"day": "mon"})
+
+
+@ONE_SERVER
 async def test_a_semaphore_lets_limit_requests_in(r: redis.asyncio.Redis, tasks: Tasks) -> None:
     gate = Gate()
     app = orders_app(gate, request_lock("exports", client=r, limit=2))
@@ -416,6 +467,45 @@ async def test_an_unreachable_redis_answers_503() -> None:
     assert response.status_code == 503
     assert response.json()["detail"]["error"] == "lock_unavailable"
     assert not gate.entered[1].is_set()
+
+
+@ONE_SERVER
+async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
+    r: redis.asyncio.Redis,
+) -> None:
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+    app = FastAPI(exception_handlers=lock_error_handlers)
+
+    @app.post("/exports")
+    async def export() -> str:
+        async with RedisSemaphore(down, "exports", limit=2):
+            return "exported"
+
+    @app.post("/held")
+    async def held() -> str:
+        async with RedisMutex(r, "held", timeout=0.05):
+            return "done"
+
+    @app.post("/bug")
+    async def bug() -> str:
+        await RedisMutex(r, "never-held").release()
+        return "unreachable"
+
+    try:
+        async with RedisMutex(r, "held"), http(app) as client:
+            unavailable = await client.post("/exports")
+            busy = await client.post("/held")
+            with pytest.raises(LockNotOwned):  # a bug in the endpoint stays the server's 500
+                await client.post("/bug")
+    finally:
+        await down.aclose()
+    assert unavailable.status_code == 503
+    assert unavailable.json()["detail"]["error"] == "lock_unavailable"
+    assert unavailable.json()["detail"]["lock"] == "exports"
+    assert busy.status_code == 409 and busy.json()["detail"]["error"] == "lock_busy"
 
 
 def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None:

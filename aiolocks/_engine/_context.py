@@ -152,7 +152,7 @@ class ClientContext(ScriptRunner):
     def __init__(self, client: AnyRedis) -> None:
         super().__init__(client)
         self.waitqueue = WaitQueue()
-        self.notifier = Notifier(self.engine, self.waitqueue, self.run)
+        self.notifier = Notifier(self.engine, self.waitqueue, self.weak_run())
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see `Gate`).
         self.releases = Gate(RELEASES_IN_FLIGHT)

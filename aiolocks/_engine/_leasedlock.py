@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 import secrets
 import time
@@ -616,6 +617,15 @@ class LeasedLock(AsyncWithOnly):
 
     def __call__(self, func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         """Use the instance as a decorator: each call of `func` runs holding it."""
+        if not inspect.iscoroutinefunction(func):
+            # A plain `def` would come back as a coroutine function, its calls
+            # never awaited: say so now.
+            what = getattr(func, "__qualname__", type(func).__name__)
+            raise TypeError(
+                f"{type(self).__name__} decorates coroutine functions (`async def`), "
+                f"and {what} is not one: write `async def {what.rpartition('.')[2]}`, "
+                f"or hold the lock with `async with` around the call"
+            )
 
         @functools.wraps(func)
         async def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -541,6 +541,7 @@ class LeaseKeeper:
     def drop(self, lease: Lease) -> None:
         self._leases.discard(lease)
         lease.queued = None
+        self._idle()
 
     def releases(self) -> list[Callable[[], Awaitable[object]]]:
         """How to give back every lease held now."""
@@ -566,6 +567,17 @@ class LeaseKeeper:
             if not group.waiters:
                 del self._groups[keys[0]]
                 group.queued = None
+                self._idle()
+
+    def _idle(self) -> None:
+        """Nothing left to keep: every entry of the heap is stale, so the task is woken to
+        linger `_IDLE_EXIT` and end, not to sleep until a stale entry's due (it holds the
+        client's engine: a client dropped without `aclose()` is collected after it)."""
+        if self._leases or self._groups or not self._heap:
+            return
+        self._heap.clear()  # in place, as in `_push`
+        if self._sleeper is not None and not self._sleeper.done():
+            self._sleeper.set_result(None)
 
     def _push(self, due: float, item: _Item) -> None:
         heapq.heappush(self._heap, (due, next(self._order), item))

@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -119,7 +120,7 @@ class ScriptRunner:
         # MOVED / ASK there, which a connection of our own would have to redo.
         self.autopipe: AutoPipeline | None = None
         if not is_cluster(client) and autopipelining():
-            self.autopipe = AutoPipeline(self.engine.connection_pool, self._count_sent)
+            self.autopipe = AutoPipeline(self.engine.connection_pool)
         # On Cluster each node has its own pool; the bound then applies per client. The
         # engine's pool serves the pub/sub connection and the auto-pipeline's one too.
         pool = getattr(self.engine, "connection_pool", None)
@@ -133,7 +134,7 @@ class ScriptRunner:
         if not is_cluster(client) or not _adapter.needs_initialise(client):
             self._initialised = asyncio.get_running_loop().create_future()
             self._initialised.set_result(None)
-        self.commands_sent = 0  # engine commands sent through this client (for tests, bench)
+        self._sent = 0  # commands sent besides the auto-pipeline's
 
     async def run(
         self,
@@ -174,8 +175,25 @@ class ScriptRunner:
         redeliver_cancel(before)
         return reply
 
-    def _count_sent(self, commands: int) -> None:
-        self.commands_sent += commands
+    @property
+    def commands_sent(self) -> int:
+        """Engine commands sent through this client (for tests and benchmarks)."""
+        return self._sent + (0 if self.autopipe is None else self.autopipe.commands_sent)
+
+    def weak_run(self) -> Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]:
+        """`run`, for a task that lives as long as a connection: it holds no reference to
+        this runner, so a client dropped without `aclose()` is collected with its engine
+        (whose connections the loop's async-generator finalizer then closes, see
+        `_context._watch_loop_end`)."""
+        runner = weakref.ref(self)
+
+        async def run(script: Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+            alive = runner()
+            if alive is None:
+                raise ConnectionError("the client was dropped")
+            return await alive.run(script, keys, args)
+
+        return run
 
     async def _evalsha(
         self,
@@ -186,11 +204,11 @@ class ScriptRunner:
     ) -> Any:
         if sent is not None:
             sent(time.monotonic())
-        self.commands_sent += 1
+        self._sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
         except NOSCRIPT_ERRORS:
-            self.commands_sent += 1
+            self._sent += 1
             return await self._execute(*command(script, keys, args, by_source=True))
 
     async def run_then_wait(
@@ -209,7 +227,7 @@ class ScriptRunner:
                 pipe = self.engine.pipeline(transaction=False)
                 pipe.execute_command(*command(script, keys, args, by_source=by_source))
                 pipe.execute_command("WAIT", replicas, timeout_ms)
-                self.commands_sent += 2
+                self._sent += 2
                 reply, acked = await pipe.execute(raise_on_error=False)
             if not isinstance(reply, NOSCRIPT_ERRORS):
                 break
@@ -257,7 +275,7 @@ class ScriptRunner:
             pipe = self.engine.pipeline(transaction=False)
             for call in calls:
                 pipe.execute_command(*command(*call, by_source=by_source))
-            self.commands_sent += len(calls)
+            self._sent += len(calls)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
@@ -744,15 +762,19 @@ class AutoPipeline:
     cancelled later stops waiting, and the batch goes on for the others.
     """
 
-    def __init__(self, pool: ConnectionPool, sent: Callable[[int], None]) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
-        self._sent = sent
         self._queue: collections.deque[Call] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
         self._link: Link | None = None
         self._flushing = False  # a `_flush` is scheduled
         self._closed = False  # `aclose()` was called: no new link is opened
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
+        self.commands_sent = 0  # calls written
+
+    def _count(self, commands: int) -> None:
+        """Count `commands` as written (just before the batch is written)."""
+        self.commands_sent += commands
 
     def call(
         self,
@@ -793,7 +815,7 @@ class AutoPipeline:
             if not batch:
                 return
             self.batches_sent += 1
-            self._sent(len(batch))
+            self._count(len(batch))
             connection = link.connection
             try:
                 packed = self._pack(connection, batch)
@@ -892,7 +914,7 @@ class AutoPipeline:
         """Write `batch` on `link`; its reader takes it from there (only once it is all
         written: a reply read before would come from a connection still being opened)."""
         self.batches_sent += 1
-        self._sent(len(batch))
+        self._count(len(batch))
         connection = link.connection
         packed = self._pack(connection, batch)
         failure: BaseException | None = None

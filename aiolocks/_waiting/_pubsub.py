@@ -57,18 +57,47 @@ class Link:
     def reading(self) -> bool:
         return self.reader is not None and not self.reader.done()
 
+    @property
+    def connected(self) -> bool:
+        connection = None if self.pubsub is None else self.pubsub.connection
+        return connection is not None and bool(connection.is_connected)
+
     async def subscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
-        """Subscribe `wake` (SSUBSCRIBE if `sharded`) and `keyspace`; under `lock`."""
+        """Subscribe `wake` (SSUBSCRIBE if `sharded`) and `keyspace`; under `lock`.
+
+        Once a reader reads the link, its re-connection is the reader's (`reconnect`, under
+        `lock`, before each read): a subscriber never re-connects beside it, and a link
+        found down, or dropped under a write (the kill seen by the reader's read, or by the
+        write), raises ConnectionError. The
+        waiter then falls back on its timer, and the reader subscribes the channel on the
+        link it re-makes (`Subscriptions._reconnect`)."""
+        if self.reading and not self.connected:
+            raise redis.exceptions.ConnectionError(f"pub/sub link {self.name!r} is down")
         if self.pubsub is None:
             self.pubsub = self.client.pubsub()
         await self.pubsub.connect()
         self._own_connection()
-        if sharded:
-            await _adapter.ssubscribe(self.pubsub, wake)
-        else:
-            await self.pubsub.subscribe(wake)
-        if keyspace is not None:  # keyspace events are never sharded
-            await self.pubsub.subscribe(keyspace)
+        writer = _adapter.writer_of(self.pubsub.connection)
+        try:
+            if sharded:
+                await _adapter.ssubscribe(self.pubsub, wake)
+            else:
+                await self.pubsub.subscribe(wake)
+            if keyspace is not None:  # keyspace events are never sharded
+                await self.pubsub.subscribe(keyspace)
+        except Exception as exc:
+            if _adapter.writer_of(self.pubsub.connection) is writer:
+                raise
+            # The connection was dropped (and maybe re-made) under the write: whatever the
+            # client release raised for that, the link was lost.
+            raise redis.exceptions.ConnectionError(f"pub/sub link {self.name!r} lost") from exc
+
+    async def reconnect(self) -> None:
+        """The reader's re-connection after a failed read (under `lock`): the client
+        re-subscribes the channels it knows of as it connects."""
+        if self.pubsub is not None and not self.connected:
+            with contextlib.suppress(Exception):  # the reader's next read fails and backs off
+                await self.pubsub.connect()
 
     async def unsubscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
         """Unsubscribe what `subscribe` subscribed, if connected; errors are ignored (a

@@ -223,6 +223,8 @@ class Subscriptions:
         before = pending_cancels()
         while self._routed(link) or link.unsubscribing:
             try:
+                if not link.connected:
+                    await self._reconnect(link)
                 message = await link.pubsub.get_message(timeout=None)
                 # A read that re-connected re-subscribes, and redis-py's `wait_for` around
                 # that write may swallow aclose's cancellation (Python 3.11): not ours.
@@ -257,6 +259,15 @@ class Subscriptions:
                 continue
             if message is not None:
                 self._dispatch(link, message)
+
+    async def _reconnect(self, link: Link) -> None:
+        """Re-make the link (under its lock, so no subscriber writes on it meanwhile), and
+        subscribe on it the channels whose subscription found it down."""
+        async with link.lock:
+            await link.reconnect()
+        for channel in self._routed(link):
+            if channel.refs > 0:
+                await self._resubscribe(channel)
 
     def _reroute(self, link: Link) -> None:
         """Move the channels of `link` whose slot another node owns now (per the client's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import string
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypedDict
@@ -19,13 +19,22 @@ from typing import TypedDict
 import anyio
 
 from .._base._clients import AnyRedis, ensure_async_client
-from .._base._errors import AccessDenied, LockLost, ServerUnavailable
+from .._base._errors import AccessDenied, LockError, LockLost, LockTimeout, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import DEFAULT_TTL, validate_timeout, validate_ttl
 from ..mutex import RedisMutex
 from ..semaphore import RedisSemaphore, _validate_limit
 
-__all__ = ["HeldLock", "LockOptions", "LockPolicy", "NameTemplate", "Refusal", "status_code"]
+__all__ = [
+    "HeldLock",
+    "LockOptions",
+    "LockPolicy",
+    "NameTemplate",
+    "Refusal",
+    "TemplateMismatch",
+    "refusal_for",
+    "status_code",
+]
 
 log = logging.getLogger("aiolocks")
 
@@ -57,6 +66,26 @@ class Refusal(Exception):
         self.headers = headers
 
 
+def refusal_for(error: LockError) -> Refusal | None:
+    """The answer for an aiolocks error raised by code inside a handler (a semaphore, a
+    limiter, a lock used by hand), or None for a bug in that code (`LockNotOwned`...)."""
+    if isinstance(error, (ServerUnavailable, AccessDenied)):
+        return Refusal(503, "lock_unavailable", error.name, str(error))
+    if isinstance(error, LockTimeout):
+        return Refusal(409, "lock_busy", error.name, str(error))
+    if isinstance(error, LockLost):
+        return Refusal(500, "lock_lost", error.name, str(error))
+    return None
+
+
+class TemplateMismatch(ValueError):
+    """A name template asks for a value its route does not have: the server's bug."""
+
+
+def _listed(names: Collection[str]) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
 class NameTemplate:
     """A lock name such as `"orders:{order_id}"`, each field filled from request values."""
 
@@ -79,6 +108,17 @@ class NameTemplate:
         self.template = template
         self.fields = tuple(fields)
         validate_name(template.format_map(dict.fromkeys(fields, "x")), what)
+
+    def check(self, route: str, path: Collection[str], query: Collection[str]) -> None:
+        """Raise `TemplateMismatch` if a field is neither one of the route's `path`
+        parameters nor one of its declared `query` parameters (a typo in the template)."""
+        for field in self.fields:
+            if field not in path and field not in query:
+                raise TemplateMismatch(
+                    f"the lock name template {self.template!r} needs {field!r}, which the "
+                    f"route {route} has neither as a path parameter "
+                    f"({_listed(path)}) nor as a declared query parameter ({_listed(query)})"
+                )
 
     def fill(self, *sources: Mapping[str, object]) -> str:
         """The name, each field taken from the first of `sources` that has it."""

@@ -17,18 +17,36 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any, TypeVar, Unpack
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from .._base._clients import ensure_async_client
-from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+from .._base._errors import LockError
+from ._hold import (
+    HeldLock,
+    LockOptions,
+    LockPolicy,
+    NameTemplate,
+    Refusal,
+    TemplateMismatch,
+    refusal_for,
+)
 from ._limit import LimitOptions, LimitPolicy, Permit
 
-__all__ = ["HeldLock", "Permit", "request_limit", "request_lock"]
+__all__ = [
+    "HeldLock",
+    "Permit",
+    "TemplateMismatch",
+    "lock_error_handlers",
+    "request_limit",
+    "request_lock",
+]
 
 T = TypeVar("T")
 
@@ -44,8 +62,10 @@ def request_lock(
 ) -> Callable[..., Awaitable[HeldLock]]:
     """A FastAPI dependency (use it with `Depends`) that holds a lock for each request.
 
-    - `name`: a template such as `"orders:{order_id}"` whose fields come from the path
-      parameters, then the query string (as sent, before validation); or any FastAPI
+    - `name`: a template such as `"orders:{order_id}"` whose fields come from the route's
+      path parameters, or from the query string for a field the route declares as a query
+      parameter (as sent, before validation); a field that is neither raises
+      `TemplateMismatch` (naming both) on the route's first request. Or any FastAPI
       dependency returning the name, which may take validated path, query or body
       parameters, or `request: Request`.
     - `ttl`: the lease in seconds (30), renewed in the background while the request runs.
@@ -137,13 +157,41 @@ def _dependency(
 
 
 def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]]:
+    # Per route: the template's fields taken from the query string (those the route
+    # declares as query parameters); checked on the route's first request.
+    query_fields: dict[int, tuple[object, frozenset[str]]] = {}
+
     async def lock_name(request: Request) -> str:
+        route = request.scope.get("route")
+        known = query_fields.get(id(route))
+        if known is None or known[0] is not route:
+            known = route, _query_fields(template, route)
+            query_fields[id(route)] = known
+        query = request.query_params
+        from_query = {field: query[field] for field in known[1] if field in query}
         try:
-            return template.fill(request.path_params, request.query_params)
+            return template.fill(request.path_params, from_query)
         except Refusal as refusal:
             raise HTTPException(refusal.status, detail=refusal.body) from None
 
     return lock_name
+
+
+def _query_fields(template: NameTemplate, route: object) -> frozenset[str]:
+    """The fields of `template` that `route` declares as query parameters; raises
+    `TemplateMismatch` if a field is neither that nor a path parameter."""
+    if not isinstance(route, APIRoute):  # not a FastAPI route: the path only
+        return frozenset()
+    query: set[str] = set()
+    dependants = [route.dependant]
+    while dependants:
+        dependant = dependants.pop()
+        query.update(field.alias for field in dependant.query_params)
+        dependants.extend(dependant.dependencies)
+    path = set(route.param_convertors)
+    label = f"{' '.join(sorted(route.methods or ()))} {route.path}".strip()
+    template.check(label, path, query)
+    return frozenset(field for field in template.fields if field not in path)
 
 
 def _client_of(request: Request, key: str) -> Any:
@@ -155,3 +203,19 @@ def _client_of(request: Request, key: str) -> Any:
         f"aiolocks found no Redis client for the request lock: yield {{{key!r}: client}} "
         f"from the app's lifespan, set app.state.{key}, or pass client= to request_lock()"
     )
+
+
+async def _answer_lock_error(request: Request, error: Exception) -> Response:
+    refusal = refusal_for(error) if isinstance(error, LockError) else None
+    if refusal is None:  # a bug in the endpoint (LockNotOwned...): the server's 500
+        raise error
+    return JSONResponse({"detail": refusal.body}, refusal.status)
+
+
+# aiolocks' errors raised by code inside an endpoint (a semaphore, a rate limiter, a lock
+# used by hand), answered as `request_lock` answers them: `ServerUnavailable` and
+# `AccessDenied` 503 `lock_unavailable`, `LockTimeout` 409 `lock_busy`, `LockLost` 500
+# `lock_lost`. `FastAPI(exception_handlers=lock_error_handlers)`.
+lock_error_handlers: dict[
+    int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
+] = {LockError: _answer_lock_error}

@@ -1,5 +1,6 @@
 """Run the simulation: `python -m tests.sim --seed N` replays one seed (its violations and
-trace), `--seeds A-B` runs a range, `--minutes M` runs new seeds for M minutes,
+trace), `--seeds A-B` runs a range (`--jobs N`: N seeds at once), `--minutes M` runs new
+seeds for M minutes,
 `--scenario NAME` runs one of the scripted scenarios (`--list` names them).
 
 Runs re-execute themselves with PYTHONHASHSEED=0: set iteration order (and so the
@@ -9,12 +10,14 @@ schedule) must not change between a failing run and its replay.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ._world import Result
 
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the scenarios")
     parser.add_argument("--all-scenarios", action="store_true", help="run every scenario")
     parser.add_argument("--json", action="store_true", help="results as JSON (scenarios)")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (with --seeds)")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing seed")
     parser.add_argument("--trace", type=int, default=200, help="trace lines shown on failure")
     parser.add_argument("--full-trace", action="store_true", help="print the whole trace")
@@ -67,19 +71,23 @@ def main(argv: list[str] | None = None) -> int:
         seeds = iter(range(options.start, 1 << 62))
         stop = time.monotonic() + 60 * (options.minutes or 1.0)
     started, failed, count, virtual = time.monotonic(), [], 0, 0.0
-    for seed in seeds:
-        if time.monotonic() >= stop:
-            break
-        result = isolated(seed, options.duration)
+    pool = ThreadPoolExecutor(max(1, options.jobs))  # each seed runs in a forked process
+    if options.jobs > 1 and options.seeds:
+        ran: Iterator[Result] = pool.map(lambda seed: isolated(seed, options.duration), seeds)
+    else:
+        running = itertools.takewhile(lambda _: time.monotonic() < stop, seeds)
+        ran = (isolated(seed, options.duration) for seed in running)
+    for outcome in ran:
         count += 1
-        virtual += result.virtual
-        print(result.summary, flush=True)
-        if result.violations:
-            failed.append(seed)
-            for line in result.violations[:5]:
+        virtual += outcome.virtual
+        print(outcome.summary, flush=True)
+        if outcome.violations:
+            failed.append(outcome.seed)
+            for line in outcome.violations[:5]:
                 print("    " + line, flush=True)
             if options.fail_fast:
                 break
+    pool.shutdown(cancel_futures=True)
     wall = time.monotonic() - started
     print(
         f"{count} seeds in {wall:.1f} s wall ({60 * count / wall:.1f} seeds/min), "
