@@ -19,7 +19,7 @@ from _servers import arun_workers, command_count
 from _web import ONE_SERVER
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks import LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
+from aiolocks import Limit, LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 KEY = b"aiolocks:ratelimit:{api}:state"
@@ -253,7 +253,7 @@ async def test_default_settings_are_the_window_reading(r: redis.asyncio.Redis) -
     least 1), then one permit a little more often than every per / (rate - burst + 1)."""
     client = redis.asyncio.Redis(port=1)
     figures = {
-        (rate, per): (limiter.burst, limiter._interval)
+        (rate, per): (limiter.burst, limiter._limits[0][3])
         for rate, per in ((100, 60), (10, 1), (1, 1), (0.5, 1), (2.5, 1), (350, 10))
         for limiter in [RedisRateLimiter(client, "api", rate=rate, per=per)]
     }
@@ -410,14 +410,14 @@ def test_settings_with_the_same_ratio_are_the_same_limit() -> None:
     decimals = [n / 10 for n in range(1, 100)] + [n / 100 for n in range(1, 100, 7)]
     for ratio in (1, 2, 5, 10):
         intervals = {
-            RedisRateLimiter(client, "api", rate=value * ratio, per=value, burst=1)._interval
+            RedisRateLimiter(client, "api", rate=value * ratio, per=value, burst=1)._limits[0][3]
             for value in decimals
             if value * ratio == round(value * ratio, 2)  # the rate as written, too
         }
         assert intervals == {1_000_000 // ratio}, (ratio, intervals)
     assert (
-        RedisRateLimiter(client, "api", rate=0.7, per=0.7, burst=1)._interval
-        == RedisRateLimiter(client, "api", rate=1, per=1, burst=1)._interval
+        RedisRateLimiter(client, "api", rate=0.7, per=0.7, burst=1)._limits[0][3]
+        == RedisRateLimiter(client, "api", rate=1, per=1, burst=1)._limits[0][3]
     )
 
 
@@ -429,3 +429,87 @@ def test_finite_settings_too_large_are_a_value_error(options: dict[str, Any]) ->
     client = redis.asyncio.Redis(port=1)
     with pytest.raises(ValueError, match=r"(rate|per)"):
         RedisRateLimiter(client, "api", **options)
+
+
+# -- several limits ---------------------------------------------------------------------------
+
+
+def _but_counter(state: Any) -> list[bytes]:
+    """A state's fields but each limit's reservation counter."""
+    return [field for at, field in enumerate((state or b"").split()) if at % 6 != 1]
+
+
+async def test_several_limits_all_or_nothing(r: redis.asyncio.Redis) -> None:
+    """10 per second (burst 2) and 3 per minute: a slot only when both have it; a try
+    refused by either reserves nothing in both; a cancelled wait gives both back."""
+    limiter = RedisRateLimiter(
+        r, "api", limits=[Limit(10, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+    )
+    assert [await limiter.acquire(blocking=False) for _ in range(3)] == [True, True, False]
+    state = await r.get(KEY)
+    assert not await limiter.acquire(timeout=0.02)  # the first limit binds: ~100 ms
+    assert await r.get(KEY) == state
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.03)
+    assert limiter.statistics().waiting == 1 and await r.get(KEY) != state
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    # both limits given back, before the CancelledError (the counter only rises)
+    assert _but_counter(await r.get(KEY)) == _but_counter(state)
+    assert await limiter.acquire(timeout=1)  # the third of the minute, ~100 ms after
+    # the minute's limit binds now: the next slot is ~20 s away (3 per 60 s, burst 3)
+    wait = await limiter._acquire(True, 0, 1)
+    assert wait is not None and 15 < wait <= 20.1, wait
+    with pytest.raises(LockTimeout, match=r"the next free slot is in 1\d\.\d{3} s"):
+        async with RedisRateLimiter(
+            r, "api", limits=limiter.limits, timeout=0.1
+        ):  # the LockTimeout says when
+            pass
+    info = await limiter.inspect()
+    assert info.limits == (Limit(10.0, 1.0, 2), Limit(3.0, 60.0, 3)), info
+    assert info.available == 0 and 15_000 < info.next_free_ms <= 20_100, info
+
+
+async def test_several_limits_are_stored_together(r: redis.asyncio.Redis) -> None:
+    both = [Limit(10, per=1.0, burst=2), Limit(100, per=60.0)]
+    assert await RedisRateLimiter(r, "api", limits=both).acquire()
+    state = await r.get(KEY)
+    for other in (
+        RedisRateLimiter(r, "api", limits=both[:1]),
+        RedisRateLimiter(r, "api", limits=both[::-1]),
+        RedisRateLimiter(r, "api", rate=10, burst=2),
+    ):
+        with pytest.raises(LimitMismatch, match=r"burst=2, rate=100\.0 per=60\.0 burst=5"):
+            await other.acquire()
+    assert await r.get(KEY) == state
+
+
+def test_limits_arguments_are_checked() -> None:
+    client = redis.asyncio.Redis(port=1)
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        RedisRateLimiter(client, "api", rate=1, limits=[Limit(1)])
+    with pytest.raises(ValueError, match=r"give rate= \(one limit\) or limits="):
+        RedisRateLimiter(client, "api")
+    with pytest.raises(ValueError, match=r"limits must hold 1\.\.16 Limit, got 0"):
+        RedisRateLimiter(client, "api", limits=[])
+    with pytest.raises(TypeError, match="limits must hold Limit objects, not tuple"):
+        RedisRateLimiter(client, "api", limits=[(1, 1.0)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+        Limit(0)
+    limiter = RedisRateLimiter(client, "api", limits=[Limit(10, burst=5), Limit(100, per=60)])
+    with pytest.raises(ValueError, match=r"cost must be in 1\.\.5"):
+        asyncio.run(limiter.acquire(cost=6))
+
+
+async def test_several_limits_on_cluster(cluster: Cluster, cluster_r: RedisCluster) -> None:
+    """All of a name's limits are one key, so one hash slot, on every node's names."""
+    limits = [Limit(20, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+    limiters = [RedisRateLimiter(cluster_r, f"api:{index}", limits=limits) for index in range(6)]
+    for limiter in limiters:
+        assert await limiter.acquire(blocking=False)
+        assert await limiter.acquire(blocking=False)
+        assert not await limiter.acquire(blocking=False)  # the first limit's burst
+        assert await limiter.acquire(timeout=1)  # ~50 ms
+        assert not await limiter.acquire(timeout=1)  # the minute's: 20 s away
+        assert (await limiter.inspect()).limits == (Limit(20.0, 1.0, 2), Limit(3.0, 60.0, 3))

@@ -116,7 +116,7 @@ def locked(
 def rate_limited(
     name: str | NameFunction,
     *,
-    rate: float,
+    rate: float | None = None,
     client: AnyRedis | None = None,
     **options: Unpack[LimitOptions],
 ) -> Callable[[Handler], Handler]:
@@ -165,7 +165,7 @@ def lock_middleware(
 def limit_middleware(
     name: NameFunction,
     *,
-    rate: float,
+    rate: float | None = None,
     client: AnyRedis | None = None,
     **options: Unpack[LimitOptions],
 ) -> Any:

@@ -90,7 +90,7 @@ def request_lock(
 def request_limit(
     name: str | NameDependency,
     *,
-    rate: float,
+    rate: float | None = None,
     client: redis.asyncio.Redis | None = None,
     state_key: str = "redis",
     **options: Unpack[LimitOptions],

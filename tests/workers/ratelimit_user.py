@@ -61,7 +61,7 @@ async def main(argv: list[str]) -> int:
                 if not await limiter.acquire(timeout=left):
                     return
                 seconds_, micros = await client.time()
-                status, delay, _, _, now = replies[-1]
+                status, delay, now = (replies[-1][at] for at in (0, 1, 4))
                 assert int(status) == 1, replies[-1]
                 grants.append((int(now) + int(delay), int(seconds_) * 1_000_000 + int(micros)))
 
