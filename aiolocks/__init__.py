@@ -23,6 +23,7 @@ from .election import Term as Term
 from .multilock import RedisMultiLock as RedisMultiLock
 from .mutex import MutexInfo as MutexInfo
 from .mutex import RedisMutex as RedisMutex
+from .ratelimit import Limit as Limit
 from .ratelimit import RateLimiterInfo as RateLimiterInfo
 from .ratelimit import RateLimiterStatistics as RateLimiterStatistics
 from .ratelimit import RedisRateLimiter as RedisRateLimiter
@@ -39,6 +40,7 @@ __all__ = (
     "AccessDenied",
     "ElectionInfo",
     "LeaderInfo",
+    "Limit",
     "LimitMismatch",
     "LockError",
     "LockHandle",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Self, final
@@ -25,6 +26,7 @@ from ._engine._settings import validate_timeout
 from ._scripts import load
 
 __all__ = [
+    "Limit",
     "RateLimiterInfo",
     "RateLimiterStatistics",
     "RedisRateLimiter",
@@ -37,6 +39,8 @@ _GIVE_BACK = load("ratelimit_give_back", "ratelimit", prelude=False)
 _INSPECT = load("ratelimit_inspect", "ratelimit", prelude=False)
 
 MAX_BURST = 2**31 - 1
+# Limits on one name at most (each adds four arguments and a few operations per call).
+MAX_LIMITS = 16
 # The scripts count whole microseconds per permit.
 MAX_RATE = 1_000_000
 # The longest a burst may span (burst x interval), in microseconds: the scripts' integer
@@ -45,6 +49,20 @@ _MAX_SPAN_US = 2**50
 # How long a cancelled wait's give-back (the reservation's reply, then the compare-and-set)
 # may hold its CancelledError back, at most; past it the slot is lost (never exceeded).
 _GIVE_BACK_BOUND = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One limit of a `RedisRateLimiter` (`limits=[...]`): `rate` permits per `per`
+    seconds; without `burst`, at most `rate` in any window of `per` seconds, with it, at
+    most `burst` at once and `burst + rate * t / per` in any t. Validated when made."""
+
+    rate: float
+    per: float = 1.0
+    burst: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_settings(self.rate, self.per, self.burst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +87,13 @@ class RateLimiterInfo:
     """What the server says about a rate limiter (from `RedisRateLimiter.inspect()`)."""
 
     name: str
-    rate: float | None  # the stored settings (None: never used, or idle: expired)
+    rate: float | None  # the stored settings of the first limit (None: never used, or idle)
     per: float | None
     burst: int | None
-    available: int  # permits that could be granted at once right now
+    available: int  # permits that could be granted at once right now (by every limit)
     next_free_ms: int  # until a permit of cost 1 could be granted (0: now)
     reserved_ms: int  # until every reservation made is past (0: idle)
+    limits: tuple[Limit, ...] = ()  # every stored limit, bursts as used (empty when idle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +174,28 @@ def window_settings(rate: Fraction, per: Fraction) -> tuple[int, int]:
     return burst, interval
 
 
+def validate_limits(
+    rate: object, per: object, burst: object, limits: Iterable[Limit] | None
+) -> tuple[tuple[float, float, int, int], ...]:
+    """(rate, per, burst, µs per permit) of each limit: `rate`, `per`, `burst` for one, or
+    `limits` (1 to MAX_LIMITS of them), not both."""
+    if limits is None:
+        if rate is None:
+            raise ValueError("give rate= (one limit) or limits= (several)")
+        return (validate_settings(rate, per, burst),)
+    if rate is not None or burst is not None or per != 1.0:
+        raise ValueError("give rate=, per=, burst= (one limit) or limits=, not both")
+    if isinstance(limits, (str, bytes, Limit)):
+        raise TypeError(f"limits must be an iterable of Limit, not {type(limits).__name__}")
+    given = list(limits)
+    if not 1 <= len(given) <= MAX_LIMITS:
+        raise ValueError(f"limits must hold 1..{MAX_LIMITS} Limit, got {len(given)}")
+    for limit in given:
+        if not isinstance(limit, Limit):
+            raise TypeError(f"limits must hold Limit objects, not {type(limit).__name__}")
+    return tuple(validate_settings(limit.rate, limit.per, limit.burst) for limit in given)
+
+
 def validate_cost(cost: object, burst: int) -> int:
     """`cost` if it is a number of permits one call may take (1..burst); raises if not."""
     return _count(cost, "cost", burst)
@@ -176,21 +217,22 @@ class RedisRateLimiter(AsyncWithOnly):
       `timeout`) reserves nothing.
     - A wait cancelled before its slot gives the slot back when no later reservation was
       made since; otherwise the slot is lost (unused): the limit is never exceeded.
-    - The settings are stored with the name: using it with another `rate / per` or `burst`
-      raises `LimitMismatch` (nothing changes) until the stored state expires, one second
-      after the last reservation's slot.
+    - `limits=[Limit(350, per=10.0), Limit(10_000, per=3600.0)]` instead of `rate`, `per`,
+      `burst`: several limits on one name, all or nothing; a slot is granted only when
+      every limit has it, in one script call, and a refused or cancelled try takes
+      nothing from any of them.
+    - The settings are stored with the name: using it with other limits raises
+      `LimitMismatch` (nothing changes) until the stored state expires, one second after
+      the last reservation's slot.
     - Permits are not released: a permit is a slot in time, not a holding.
     """
 
     __slots__ = (
-        "_burst",
         "_client",
-        "_cost_text",
-        "_interval",
         "_key",
+        "_limits",
+        "_most",
         "_name",
-        "_per",
-        "_rate",
         "_settings",
         "_spec",
         "_stats",
@@ -202,19 +244,25 @@ class RedisRateLimiter(AsyncWithOnly):
         client: AnyRedis,
         name: str,
         *,
-        rate: float,
+        rate: float | None = None,
         per: float = 1.0,
         burst: int | None = None,
+        limits: Iterable[Limit] | None = None,
         timeout: float | None = None,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
-        self._rate, self._per, self._burst, interval = validate_settings(rate, per, burst)
-        self._interval = interval
+        # (rate, per, burst, µs per permit) of each limit
+        self._limits = validate_limits(rate, per, burst, limits)
+        self._most = min(burst for _, _, burst, _ in self._limits)  # the largest cost
         self._timeout = validate_timeout(timeout)
         self._key = KeySpace(validate_prefix(prefix), "ratelimit", self._name).key("state")
-        self._settings = (str(interval), str(self._burst))
+        self._settings = tuple(
+            text
+            for rate_, per_, burst_, interval in self._limits
+            for text in (str(interval), str(burst_), repr(rate_), repr(per_))
+        )
         self._spec = _SpecView((self._key,), _telemetry.Counters())
         # permits, refusals, waiting, given_back, slots_lost
         self._stats = [0, 0, 0, 0, 0]
@@ -225,21 +273,27 @@ class RedisRateLimiter(AsyncWithOnly):
 
     @property
     def rate(self) -> float:
-        return self._rate
+        """The first limit's rate (the only one unless `limits` was given)."""
+        return self._limits[0][0]
 
     @property
     def per(self) -> float:
-        return self._per
+        return self._limits[0][1]
 
     @property
     def burst(self) -> int:
-        return self._burst
+        return self._limits[0][2]
+
+    @property
+    def limits(self) -> tuple[Limit, ...]:
+        """Every limit, with the burst each uses (computed when not given)."""
+        return tuple(Limit(rate, per, burst) for rate, per, burst, _ in self._limits)
 
     def __repr__(self) -> str:
-        return (
-            f"<RedisRateLimiter {self._name!r} rate={self._rate:g} per={self._per:g} "
-            f"burst={self._burst}>"
+        shown = ", ".join(
+            f"rate={rate:g} per={per:g} burst={burst}" for rate, per, burst, _ in self._limits
         )
+        return f"<RedisRateLimiter {self._name!r} {shown}>"
 
     def _current(self) -> None:
         """No holding: a permit is a slot in time (for the telemetry hooks)."""
@@ -266,7 +320,7 @@ class RedisRateLimiter(AsyncWithOnly):
         timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
             raise ValueError("a timeout cannot be given with blocking=False")
-        validate_cost(cost, self._burst)
+        validate_cost(cost, self._most)
         if not blocking:
             timeout = 0.0
         refused: list[float] = []
@@ -288,7 +342,7 @@ class RedisRateLimiter(AsyncWithOnly):
         """One script call; then, if reserved, sleep until the slot."""
         context = context_for(self._client)
         max_wait = -1 if timeout is None else math.floor(timeout * 1e6)
-        args = (*self._settings, cost, max_wait, repr(self._rate), repr(self._per))
+        args = (cost, max_wait, *self._settings)
         loop = asyncio.get_running_loop()
         # The call runs in a task of its own: a cancellation meanwhile must not lose the
         # reply, which the give-back needs.
@@ -342,30 +396,37 @@ class RedisRateLimiter(AsyncWithOnly):
             return  # no reply: whatever it reserved is lost, never exceeded
         if int(reply[0]) != 1:
             return  # refused: nothing was reserved
-        tat, seq = reply[2], reply[3]
+        written, before = reply[2], reply[6:]
         try:
             with map_redis_errors(self._name):
                 # Not retried: run twice, a compare-and-set could match a later reservation.
-                given = await context.run(_GIVE_BACK, (self._key,), (tat, seq, cost), retry=False)
+                given = await context.run(_GIVE_BACK, (self._key,), (written, *before), retry=False)
         except Exception:
             given = 0
         self._stats[3 if int(given) == 1 else 4] += 1
 
     def _mismatch(self, reply: list[Any]) -> LimitMismatch:
-        rate, per, burst = (_text(value) for value in reply[1:4])
+        fields = [_text(value) for value in reply[1:]]
+        stored = ", ".join(
+            f"rate={fields[at]} per={fields[at + 1]} burst={fields[at + 2]}"
+            for at in range(0, len(fields), 3)
+        )
+        here = ", ".join(
+            f"rate={rate!r} per={per!r} burst={burst}" for rate, per, burst, _ in self._limits
+        )
         return LimitMismatch(
             self._name,
-            f"stored with rate={rate} per={per} burst={burst}, used here with "
-            f"rate={self._rate!r} per={self._per!r} burst={self._burst}; every user of a "
-            "name must give the same settings (the stored ones expire once the name is idle)",
+            f"stored with {stored}, used here with {here}; every user of a name must give "
+            "the same settings (the stored ones expire once the name is idle)",
         )
 
     # -- async with ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if not await self.acquire(timeout=self._timeout):
+        wait = await self._acquire(True, self._timeout, 1)
+        if wait is not None:
             assert self._timeout is not None
-            raise LockTimeout(self._name, self._timeout, "the next free slot is later")
+            raise LockTimeout(self._name, self._timeout, f"the next free slot is in {wait:.3f} s")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -379,9 +440,9 @@ class RedisRateLimiter(AsyncWithOnly):
         permits, refusals, waiting, given_back, lost = self._stats
         return RateLimiterStatistics(
             name=self._name,
-            rate=self._rate,
-            per=self._per,
-            burst=self._burst,
+            rate=self.rate,
+            per=self.per,
+            burst=self.burst,
             acquisitions=counters.acquisitions,
             permits=permits,
             refusals=refusals,
@@ -397,18 +458,26 @@ class RedisRateLimiter(AsyncWithOnly):
             reply: list[Any] = await context_for(self._client).run(_INSPECT, (self._key,), ())
         now = int(reply[0])
         if len(reply) == 1:
-            return RateLimiterInfo(self._name, None, None, None, self._burst, 0, 0)
-        tat, interval, burst = int(reply[1]), int(reply[2]), int(reply[3])
-        ahead = max(tat - now, 0)  # reserved time not yet past
-        room = burst * interval - ahead  # what a cost-n call may add without waiting
+            return RateLimiterInfo(self._name, None, None, None, self._most, 0, 0)
+        available, next_free, ahead = MAX_BURST, 0, 0
+        limits = []
+        for at in range(1, len(reply), 5):
+            tat, interval, burst = (int(value) for value in reply[at : at + 3])
+            limits.append(Limit(float(_text(reply[at + 3])), float(_text(reply[at + 4])), burst))
+            reserved = max(tat - now, 0)  # reserved time not yet past
+            room = burst * interval - reserved  # what a cost-n call may add without waiting
+            available = min(available, max(0, room // interval))
+            next_free = max(next_free, interval - room)
+            ahead = max(ahead, reserved)
         return RateLimiterInfo(
             name=self._name,
-            rate=float(_text(reply[4])),
-            per=float(_text(reply[5])),
-            burst=burst,
-            available=max(0, room // interval),
-            next_free_ms=math.ceil(max(0, interval - room) / 1000),
+            rate=limits[0].rate,
+            per=limits[0].per,
+            burst=limits[0].burst,
+            available=available,
+            next_free_ms=math.ceil(next_free / 1000),
             reserved_ms=math.ceil(ahead / 1000),
+            limits=tuple(limits),
         )
 
 

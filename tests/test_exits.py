@@ -70,8 +70,9 @@ def server_of(request: pytest.FixtureRequest, server_pool: ServerPool) -> Server
         ("close-return", None, 0),
         ("wait", signal.SIGINT, 130),
         ("wait-term", signal.SIGTERM, 143),
+        ("wait-term-as-int", signal.SIGTERM, 130),
     ],
-    ids=["return", "close-then-return", "ctrl-c", "sigterm-handled"],
+    ids=["return", "close-then-return", "ctrl-c", "sigterm-handled", "sigterm-as-ctrl-c"],
 )
 async def test_a_service_ends_quietly_and_gives_back_what_it_held(
     spawn: Spawn, server_of: ServerProcess, how: str, stop: signal.Signals | None, status: int

@@ -24,6 +24,12 @@ def test_every_public_name_says_aiolocks() -> None:
         assert obj.__doc__, f"{name} has no docstring"
 
 
+def test_limit_is_public_with_its_fields() -> None:
+    limit = aiolocks.Limit(350, per=10.0)
+    assert (limit.rate, limit.per, limit.burst) == (350, 10.0, None)
+    assert "Limit" in aiolocks.__all__
+
+
 def test_error_tree() -> None:
     assert issubclass(aiolocks.LockTimeout, TimeoutError)
     for name in ("LockTimeout", "LockNotOwned", "LockLost", "LockReentry", "ServerUnavailable"):

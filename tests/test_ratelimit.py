@@ -19,7 +19,7 @@ from _servers import arun_workers, command_count
 from _web import ONE_SERVER
 from redis.asyncio.cluster import RedisCluster
 
-from aiolocks import LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
+from aiolocks import Limit, LimitMismatch, LockTimeout, RedisRateLimiter, ServerUnavailable
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 KEY = b"aiolocks:ratelimit:{api}:state"
@@ -107,6 +107,37 @@ async def test_default_is_at_most_rate_in_any_window_across_four_processes(
     assert busy and min(busy) >= 0.95 * rate, (min(busy), most, len(slots))
     # the start: the burst (5) at once (the 6th is 31 ms later), the window filled to its bound
     assert _most_in_window(slots, 15_000) == 5 and most == rate, (most, len(slots))
+
+
+@pytest.mark.slow
+async def test_several_limits_across_four_processes(r: redis.asyncio.Redis, url: str) -> None:
+    """4 processes x 6 tasks on two limits for 6 s, counted on the server's clock: at most
+    20 in any 1 s window (the default's window reading), at most 40 + 5 t in any t (an
+    explicit burst); each reached while it binds: the first 2 s at 20 a second (the
+    second's burst not spent yet), the last 2 s at 5 a second."""
+    limits = [[20, 1.0, None], [5, 1.0, 40]]
+    workers, tasks, seconds = 4, 6, 6.0
+    results = await arun_workers(
+        str(WORKERS / "ratelimit_user.py"),
+        [[url, "two", "0", "0", json.dumps(limits), *map(str, (workers, tasks, seconds))]]
+        * workers,
+        timeout=60,
+    )
+    slots: list[int] = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
+        slots += [slot for slot, _ in json.loads(line[0].removeprefix("grants "))]
+    ordered = sorted(slots)
+    figures = {t: _most_in_window(slots, t) for t in (0, 500_000, 1_000_000, 2_000_000, 4_000_000)}
+    print(f"two limits: {len(slots)} grants, most in windows (µs): {figures}")
+    assert figures[1_000_000] <= 20, figures  # the first limit
+    for window_us, most in figures.items():
+        assert most <= 40 + 5 * window_us / 1e6, figures  # the second
+    first_two = bisect.bisect_right(ordered, ordered[0] + 2_000_000)
+    last_two = len(ordered) - bisect.bisect_left(ordered, ordered[-1] - 2_000_000)
+    assert first_two >= 0.95 * 40 and figures[1_000_000] == 20, (first_two, figures)
+    assert last_two >= 0.9 * 10, (last_two, figures)
 
 
 # -- one process ----------------------------------------------------------------------------
@@ -253,7 +284,7 @@ async def test_default_settings_are_the_window_reading(r: redis.asyncio.Redis) -
     least 1), then one permit a little more often than every per / (rate - burst + 1)."""
     client = redis.asyncio.Redis(port=1)
     figures = {
-        (rate, per): (limiter.burst, limiter._interval)
+        (rate, per): (limiter.burst, limiter._limits[0][3])
         for rate, per in ((100, 60), (10, 1), (1, 1), (0.5, 1), (2.5, 1), (350, 10))
         for limiter in [RedisRateLimiter(client, "api", rate=rate, per=per)]
     }
@@ -410,14 +441,14 @@ def test_settings_with_the_same_ratio_are_the_same_limit() -> None:
     decimals = [n / 10 for n in range(1, 100)] + [n / 100 for n in range(1, 100, 7)]
     for ratio in (1, 2, 5, 10):
         intervals = {
-            RedisRateLimiter(client, "api", rate=value * ratio, per=value, burst=1)._interval
+            RedisRateLimiter(client, "api", rate=value * ratio, per=value, burst=1)._limits[0][3]
             for value in decimals
             if value * ratio == round(value * ratio, 2)  # the rate as written, too
         }
         assert intervals == {1_000_000 // ratio}, (ratio, intervals)
     assert (
-        RedisRateLimiter(client, "api", rate=0.7, per=0.7, burst=1)._interval
-        == RedisRateLimiter(client, "api", rate=1, per=1, burst=1)._interval
+        RedisRateLimiter(client, "api", rate=0.7, per=0.7, burst=1)._limits[0][3]
+        == RedisRateLimiter(client, "api", rate=1, per=1, burst=1)._limits[0][3]
     )
 
 
@@ -429,3 +460,87 @@ def test_finite_settings_too_large_are_a_value_error(options: dict[str, Any]) ->
     client = redis.asyncio.Redis(port=1)
     with pytest.raises(ValueError, match=r"(rate|per)"):
         RedisRateLimiter(client, "api", **options)
+
+
+# -- several limits ---------------------------------------------------------------------------
+
+
+def _but_counter(state: Any) -> list[bytes]:
+    """A state's fields but each limit's reservation counter."""
+    return [field for at, field in enumerate((state or b"").split()) if at % 6 != 1]
+
+
+async def test_several_limits_all_or_nothing(r: redis.asyncio.Redis) -> None:
+    """10 per second (burst 2) and 3 per minute: a slot only when both have it; a try
+    refused by either reserves nothing in both; a cancelled wait gives both back."""
+    limiter = RedisRateLimiter(
+        r, "api", limits=[Limit(10, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+    )
+    assert [await limiter.acquire(blocking=False) for _ in range(3)] == [True, True, False]
+    state = await r.get(KEY)
+    assert not await limiter.acquire(timeout=0.02)  # the first limit binds: ~100 ms
+    assert await r.get(KEY) == state
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.03)
+    assert limiter.statistics().waiting == 1 and await r.get(KEY) != state
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    # both limits given back, before the CancelledError (the counter only rises)
+    assert _but_counter(await r.get(KEY)) == _but_counter(state)
+    assert await limiter.acquire(timeout=1)  # the third of the minute, ~100 ms after
+    # the minute's limit binds now: the next slot is ~20 s away (3 per 60 s, burst 3)
+    wait = await limiter._acquire(True, 0, 1)
+    assert wait is not None and 15 < wait <= 20.1, wait
+    with pytest.raises(LockTimeout, match=r"the next free slot is in 1\d\.\d{3} s"):
+        async with RedisRateLimiter(
+            r, "api", limits=limiter.limits, timeout=0.1
+        ):  # the LockTimeout says when
+            pass
+    info = await limiter.inspect()
+    assert info.limits == (Limit(10.0, 1.0, 2), Limit(3.0, 60.0, 3)), info
+    assert info.available == 0 and 15_000 < info.next_free_ms <= 20_100, info
+
+
+async def test_several_limits_are_stored_together(r: redis.asyncio.Redis) -> None:
+    both = [Limit(10, per=1.0, burst=2), Limit(100, per=60.0)]
+    assert await RedisRateLimiter(r, "api", limits=both).acquire()
+    state = await r.get(KEY)
+    for other in (
+        RedisRateLimiter(r, "api", limits=both[:1]),
+        RedisRateLimiter(r, "api", limits=both[::-1]),
+        RedisRateLimiter(r, "api", rate=10, burst=2),
+    ):
+        with pytest.raises(LimitMismatch, match=r"burst=2, rate=100\.0 per=60\.0 burst=5"):
+            await other.acquire()
+    assert await r.get(KEY) == state
+
+
+def test_limits_arguments_are_checked() -> None:
+    client = redis.asyncio.Redis(port=1)
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        RedisRateLimiter(client, "api", rate=1, limits=[Limit(1)])
+    with pytest.raises(ValueError, match=r"give rate= \(one limit\) or limits="):
+        RedisRateLimiter(client, "api")
+    with pytest.raises(ValueError, match=r"limits must hold 1\.\.16 Limit, got 0"):
+        RedisRateLimiter(client, "api", limits=[])
+    with pytest.raises(TypeError, match="limits must hold Limit objects, not tuple"):
+        RedisRateLimiter(client, "api", limits=[(1, 1.0)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+        Limit(0)
+    limiter = RedisRateLimiter(client, "api", limits=[Limit(10, burst=5), Limit(100, per=60)])
+    with pytest.raises(ValueError, match=r"cost must be in 1\.\.5"):
+        asyncio.run(limiter.acquire(cost=6))
+
+
+async def test_several_limits_on_cluster(cluster: Cluster, cluster_r: RedisCluster) -> None:
+    """All of a name's limits are one key, so one hash slot, on every node's names."""
+    limits = [Limit(20, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+    limiters = [RedisRateLimiter(cluster_r, f"api:{index}", limits=limits) for index in range(6)]
+    for limiter in limiters:
+        assert await limiter.acquire(blocking=False)
+        assert await limiter.acquire(blocking=False)
+        assert not await limiter.acquire(blocking=False)  # the first limit's burst
+        assert await limiter.acquire(timeout=1)  # ~50 ms
+        assert not await limiter.acquire(timeout=1)  # the minute's: 20 s away
+        assert (await limiter.inspect()).limits == (Limit(20.0, 1.0, 2), Limit(3.0, 60.0, 3))

@@ -3,9 +3,11 @@ tests/test_sync_processes.py has the multi-process, signal, exit and fork cases)
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +21,7 @@ from aiolocks.sync import (
     RedisReadWriteLock,
     RedisRegistry,
     RedisSemaphore,
+    _clients,
     _runner,
 )
 
@@ -125,7 +128,7 @@ def test_busy_try_and_timeout(sync_r: redis.Redis) -> None:
         thread.start()
         thread.join(BOUND)
     assert results[0] is False
-    assert isinstance(results[1], float) and 0.25 <= results[1] < 2.0
+    assert isinstance(results[1], float) and 0.25 <= results[1] < 3.0
     assert sync_r.llen("aiolocks:mutex:{busy}:queue") == 0
 
 
@@ -214,12 +217,15 @@ def test_read_write_lock(sync_r: redis.Redis) -> None:
 
 
 def test_rate_limiter_and_registry(sync_r: redis.Redis) -> None:
-    limiter = RedisRateLimiter(sync_r, "api", rate=100, burst=2)
-    assert limiter.acquire() and limiter.acquire()
-    assert not limiter.acquire(blocking=False)
-    with limiter:  # waits for its slot, about 10 ms
+    slow = RedisRateLimiter(sync_r, "api", rate=1, per=60, burst=2)
+    assert slow.acquire() and slow.acquire()
+    assert not slow.acquire(blocking=False)
+    assert not slow.acquire(timeout=0.1)  # the next slot is ~30 s away: refused at once
+    assert slow.statistics().permits == 2
+    fast = RedisRateLimiter(sync_r, "fast", rate=100, burst=1)
+    with fast, fast:  # the second waits for its slot, about 10 ms
         pass
-    assert limiter.statistics().permits == 3
+    assert fast.inspect().burst == 1
     registry = RedisRegistry(sync_r, "users")
     assert registry.register("alice") == 1
     assert registry.register_many(["bob", "alice"]) == [2, 1]
@@ -257,3 +263,61 @@ def test_a_waiting_thread_sends_no_commands(sync_r: redis.Redis) -> None:
 def _calls(client: redis.Redis) -> int:
     stats = client.info("commandstats")
     return sum(int(value["calls"]) for value in stats.values())
+
+
+def test_the_clients_database_and_name_are_the_engines(valkey_notify: ServerProcess) -> None:
+    """The engine's client is made from the sync client's settings: same database, same
+    client name on its connections."""
+    server = valkey_notify.url.rsplit("/", 1)[0]
+    client = redis.Redis.from_url(server + "/3", client_name="billing-worker")
+    client.flushdb()
+    other_db = redis.Redis.from_url(server + "/0")
+    with RedisMutex(client, "orders:7"):
+        assert client.exists("aiolocks:mutex:{orders:7}:owner")
+        assert not other_db.exists("aiolocks:mutex:{orders:7}:owner")
+        names = [entry["name"] for entry in client.client_list()]
+        assert names.count("billing-worker") >= 2  # the user's connection and the engine's
+    client.close()
+    other_db.close()
+
+
+def test_a_valkey_py_client(valkey_notify: ServerProcess) -> None:
+    valkey = pytest.importorskip("valkey")
+    client = valkey.Valkey.from_url(valkey_notify.url)
+    client.flushall()
+    mutex = RedisMutex(client, "orders:8")
+    with mutex:
+        assert mutex.inspect().owner is not None
+    assert not mutex.locked()
+    client.close()
+
+
+def test_a_cluster_client(cluster: Any) -> None:
+    """A sync RedisCluster: the engine runs on an asyncio RedisCluster of the same nodes."""
+    asyncio.run(cluster.flushall())
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    mutex = RedisMutex(client, "orders:9")
+    counter = "{orders:9}:counter"
+
+    def work() -> None:
+        for _ in range(10):
+            with mutex:
+                client.set(counter, int(client.get(counter) or 0) + 1)
+
+    run_threads(4, work)
+    assert int(client.get(counter) or 0) == 40
+    assert not mutex.locked()
+    client.close()
+
+
+def test_sync_clients_with_the_same_settings_share_one_engine(
+    valkey_notify: ServerProcess,
+) -> None:
+    """A client made per task (a common Celery habit) costs no new engine client."""
+    first = redis.Redis.from_url(valkey_notify.url)
+    again = redis.Redis.from_url(valkey_notify.url)
+    other = redis.Redis.from_url(valkey_notify.url, client_name="other")
+    assert _clients.async_client(first) is _clients.async_client(again)
+    assert _clients.async_client(first) is not _clients.async_client(other)
+    for client in (first, again, other):
+        client.close()

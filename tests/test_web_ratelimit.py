@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from asgi_lifespan import LifespanManager
 from fastapi import Depends, FastAPI
 
-from aiolocks import RedisRateLimiter
+from aiolocks import Limit, RedisRateLimiter
 from aiolocks.integrations import aiohttp as aiohttp_limits
 from aiolocks.integrations.fastapi import Permit, request_limit
 
@@ -140,3 +140,49 @@ async def test_aiohttp_middleware_waits_up_to_its_timeout(r: redis.asyncio.Redis
 
 async def _free(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
+
+
+TWO_LIMITS = [Limit(10, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+
+
+def _check_minute_refusal(status: int, headers: Any, body: dict[str, Any]) -> None:
+    """Refused by the minute's limit (3 taken): Retry-After is its ~20 s, not the 100 ms
+    of the second's."""
+    assert status == 429, body
+    assert "10 requests per 1 s and 3 requests per 60 s" in body["message"], body
+    assert 15 <= int(headers["Retry-After"]) <= 20, headers
+
+
+@ONE_SERVER
+async def test_fastapi_several_limits_retry_after_from_the_one_that_binds(
+    r: redis.asyncio.Redis,
+) -> None:
+    app = fastapi_app(request_limit("api:{user_id}", limits=TWO_LIMITS, timeout=0.5, client=r))
+    async with fastapi_client(app) as c:
+        assert [(await c.get("/users/7")).status_code for _ in range(3)] == [200] * 3
+        refused = await c.get("/users/7")
+        _check_minute_refusal(refused.status_code, refused.headers, refused.json()["detail"])
+
+
+@ONE_SERVER
+async def test_aiohttp_several_limits_retry_after_from_the_one_that_binds(
+    r: redis.asyncio.Redis,
+) -> None:
+    middleware = aiohttp_limits.limit_middleware(
+        lambda request: "api", limits=TWO_LIMITS, timeout=0.5, client=r
+    )
+    app = web.Application(middlewares=[middleware])
+    app.router.add_get("/api/x", _aiohttp_handler)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        assert [(await c.get("/api/x")).status for _ in range(3)] == [200] * 3
+        refused = await c.get("/api/x")
+        _check_minute_refusal(refused.status, refused.headers, await refused.json())
+
+
+def test_several_limits_and_rate_fail_when_the_app_is_built() -> None:
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        request_limit("api", rate=1, limits=TWO_LIMITS)
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        aiohttp_limits.rate_limited("api", rate=1, limits=TWO_LIMITS)
+    with pytest.raises(ValueError, match=r"cost must be in 1\.\.2"):
+        request_limit("api", limits=TWO_LIMITS, cost=3)

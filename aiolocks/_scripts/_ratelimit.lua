@@ -1,15 +1,16 @@
 -- Shared by the rate limiter's scripts (GCRA, the generic cell rate algorithm).
 --
--- One string key per name holds the whole state, written as six fields separated by spaces:
---   "<tat> <seq> <interval> <burst> <rate> <per>"
+-- One string key per name holds the whole state: per limit (a name may have several, all
+-- reserved together), six fields, all separated by spaces:
+--   "<tat> <seq> <interval> <burst> <rate> <per>[ <tat> <seq> <interval> ...]"
 -- tat       the theoretical arrival time: server microseconds, an integer; a permit of cost
 --           n is granted at max(tat, now) + n * interval - burst * interval
--- seq       counts the reservations (a cancelled wait gives its slot back only if the state
---           is still the one its reservation wrote: tat and seq both)
+-- seq       counts the reservations, the same in every limit (a cancelled wait gives its
+--           slot back only if the state is still the text its reservation wrote)
 -- interval  microseconds per permit, an integer (ceil(per * 1e6 / rate): never faster)
 -- burst     permits granted at once at most
 -- rate per  as the first user gave them (for inspect() and the mismatch error)
--- The key expires IDLE_MS after tat: past tat the state is the same as no state at all.
+-- The key expires IDLE_MS after the latest tat: past it the state is the same as none.
 --
 -- These scripts are loaded without the prelude (no queue, no lease: a call runs none of its
 -- definitions), so the few helpers they need are here.
@@ -36,8 +37,10 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- The parsed state of KEYS[1], or nil when there is none; fails, naming the key, when the
--- key holds something aiolocks did not write (another type, or a string of another shape).
+-- The parsed state of KEYS[1] and its text, or nil when there is none: a list of limits,
+-- each {tat, seq, interval, burst, rate, per} (strings; seq the same in every one); fails, naming
+-- the key, when the key holds something aiolocks did not write (another type, or a string
+-- of another shape).
 local function read_state()
   local raw = redis.pcall('GET', KEYS[1])
   if type(raw) == 'table' and raw['err'] then
@@ -47,19 +50,33 @@ local function read_state()
   if not raw then
     return nil
   end
-  local tat, seq, interval, burst, rate, per =
-    string.match(raw, '^(%d+) (%d+) (%d+) (%d+) (%S+) (%S+)$')
-  if not tat then
-    fail('WRONGTYPE aiolocks: ' .. KEYS[1] .. ' holds a string that is not a rate limiter state')
+  local limits, at = {}, 1
+  while true do
+    local tat, seq, interval, burst, rate, per, stop =
+      string.match(raw, '^(%d+) (%d+) (%d+) (%d+) (%S+) (%S+)()', at)
+    if not tat or (stop <= #raw and string.sub(raw, stop, stop) ~= ' ') then
+      fail('WRONGTYPE aiolocks: ' .. KEYS[1] .. ' holds a string that is not a rate limiter state')
+    end
+    limits[#limits + 1] =
+      {tat = tat, seq = seq, interval = interval, burst = burst, rate = rate, per = per}
+    if stop > #raw then
+      return limits, raw
+    end
+    at = stop + 1
   end
-  return {tat = tat, seq = seq, interval = interval, burst = burst, rate = rate, per = per}
 end
 
--- Write the state with tat `tat` (a number) and seq `seq`; it expires IDLE_MS after tat.
-local function write_state(tat, seq, interval, burst, rate, per, now)
-  local text = int_str(tat)
-  local state = table.concat({text, int_str(seq), interval, burst, rate, per}, ' ')
-  local ms = math.ceil(math.max(tat - now, 0) / 1000) + IDLE_MS
+-- Write the state: each limit's tat (numbers in `tats`) with `seq`; it expires IDLE_MS after
+-- the latest tat. Returns the text written (what a give-back compares).
+local function write_state(limits, tats, seq, now)
+  local parts, latest = {}, now
+  for i, limit in ipairs(limits) do
+    parts[#parts + 1] = table.concat(
+      {int_str(tats[i]), int_str(seq), limit.interval, limit.burst, limit.rate, limit.per}, ' ')
+    latest = math.max(latest, tats[i])
+  end
+  local state = table.concat(parts, ' ')
+  local ms = math.ceil((latest - now) / 1000) + IDLE_MS
   redis.call('SET', KEYS[1], state, 'PX', int_str(ms))
-  return text
+  return state
 end

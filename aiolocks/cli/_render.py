@@ -84,8 +84,10 @@ def _facts(info: Info) -> list[tuple[str, str]]:
         if info.burst is None:
             return [("settings", "none stored (idle: the key expired)")]
         return [
-            ("rate", f"{info.rate:g} per {info.per:g} s"),
-            ("burst", str(info.burst)),
+            *(
+                ("rate", f"{limit.rate:g} per {limit.per:g} s, burst {limit.burst}")
+                for limit in info.limits
+            ),
             ("free now", str(info.available)),
             (
                 "next free slot",

@@ -137,9 +137,9 @@ def state_of(info: Info) -> str:
     if isinstance(info, RateLimiterInfo):
         if info.burst is None:
             return "idle"
-        settings = f"{info.rate:g} per {info.per:g} s"
+        settings = " and ".join(f"{limit.rate:g} per {limit.per:g} s" for limit in info.limits)
         if info.available:
-            return f"{info.available}/{info.burst} free, {settings}"
+            return f"{info.available} free, {settings}"
         return f"next slot in {info.next_free_ms} ms, {settings}"
     return f"{info.names} names"
 

@@ -9,7 +9,7 @@ time: nothing is released after the handler.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypedDict
@@ -18,7 +18,7 @@ from .._base._clients import ensure_async_client
 from .._base._errors import AccessDenied, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import validate_timeout
-from ..ratelimit import RedisRateLimiter, validate_cost, validate_settings
+from ..ratelimit import Limit, RedisRateLimiter, validate_cost, validate_limits
 from ._hold import Refusal, status_code
 
 __all__ = ["LimitOptions", "LimitPolicy", "Permit"]
@@ -35,10 +35,11 @@ class Permit:
 
 class LimitOptions(TypedDict, total=False):
     """The keyword options every rate-limit integration takes (the fields of `LimitPolicy`
-    but `rate`)."""
+    but `rate`): `limits=[Limit(...), ...]` instead of `rate=` takes several at once."""
 
     per: float
     burst: int | None
+    limits: Sequence[Limit] | None
     cost: int
     timeout: float | None
     prefix: str
@@ -49,9 +50,10 @@ class LimitOptions(TypedDict, total=False):
 class LimitPolicy:
     """How a request takes its permits; validated when the dependency/decorator is made."""
 
-    rate: float
+    rate: float | None = None
     per: float = 1.0
     burst: int | None = None
+    limits: Sequence[Limit] | None = None  # several limits instead of rate, per, burst
     cost: int = 1  # permits each request takes
     timeout: float | None = 0.0  # 0: refuse at once; t: wait up to t s for the slot
     prefix: str = DEFAULT_PREFIX
@@ -59,8 +61,10 @@ class LimitPolicy:
 
     def __post_init__(self) -> None:
         # Fail when the app is built, not on its first request.
-        _, _, burst, _ = validate_settings(self.rate, self.per, self.burst)
-        validate_cost(self.cost, burst)
+        settings = validate_limits(self.rate, self.per, self.burst, self.limits)
+        if self.limits is not None:
+            object.__setattr__(self, "limits", tuple(self.limits))  # not changed later
+        validate_cost(self.cost, min(burst for _, _, burst, _ in settings))
         validate_timeout(self.timeout)
         validate_prefix(self.prefix)
         status_code(self.busy_status, "busy_status", 400)
@@ -75,7 +79,13 @@ class LimitPolicy:
         except ValueError as exc:
             raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
         limiter = RedisRateLimiter(
-            client, name, rate=self.rate, per=self.per, burst=self.burst, prefix=self.prefix
+            client,
+            name,
+            rate=self.rate,
+            per=self.per,
+            burst=self.burst,
+            limits=self.limits,
+            prefix=self.prefix,
         )
         try:
             wait = await limiter._acquire(True, self.timeout, self.cost)
@@ -84,10 +94,10 @@ class LimitPolicy:
         if wait is not None:
             retry_after = max(1, math.ceil(wait))
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
-            message = (
-                f"{name!r} allows {self.rate:g} requests per {self.per:g} s; "
-                f"no slot free{waited}: the next is in {wait:.3f} s"
+            allows = " and ".join(
+                f"{limit.rate:g} requests per {limit.per:g} s" for limit in limiter.limits
             )
+            message = f"{name!r} allows {allows}; no slot free{waited}: the next is in {wait:.3f} s"
             headers = {"Retry-After": str(retry_after)}
             raise Refusal(self.busy_status, "rate_limited", name, message, headers)
         yield Permit(name, self.cost, limiter)

@@ -1,8 +1,8 @@
 """The asyncio client the engine uses for a synchronous caller's client (or URL).
 
-Made once per process from the sync client's connection settings (address or unix socket,
-database, credentials, TLS, protocol, timeouts, client name), of the same library
-(redis-py or valkey-py). Only settings that mean the same on both sides are carried over:
+Made once per process and per distinct connection settings of the sync clients (address
+or unix socket, database, credentials, TLS, protocol, timeouts, client name), of the same
+library (redis-py or valkey-py). Only settings that mean the same on both sides are carried over:
 a sync client's retry policy and its pool's internals belong to it. The engine then opens
 its own connections from this client as it does from any user's (`_base/_adapter.py`).
 """
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import weakref
+from collections.abc import Callable, Hashable
 from typing import Any, TypeAlias
 
 import redis
 
 from .._base._clients import AnyRedis
-from ._runner import Process, process
+from ._runner import process
 
 __all__ = ["SyncClient", "async_client", "validate_client"]
 
@@ -79,51 +78,63 @@ def _is_cluster(client: object) -> bool:
 
 
 def async_client(client: SyncClient) -> AnyRedis:
-    """The asyncio client of this process for `client` (made on first use; closed on the
-    background loop when `client` is collected, so no connection is left to the garbage
-    collector)."""
+    """The asyncio client of this process for `client`'s connection settings: one for all
+    the sync clients that share them (a client made per task costs no new engine), made on
+    first use and closed when the background loop ends."""
     runner = process()
-    made: dict[Any, AnyRedis] = runner.state.setdefault("clients", {})
-    if isinstance(client, str):
-        found = made.get(client)
-        if found is None:
-            found = made[client] = redis.asyncio.Redis.from_url(client)
-        return found
-    found = made.get(id(client))
+    made: dict[Hashable, AnyRedis] = runner.state.setdefault("clients", {})
+    key, make = _recipe(client)
+    found = made.get(key)
     if found is None:
-        found = made[id(client)] = _made_from(client)
-        weakref.finalize(client, _collected, runner, made, id(client))
+        found = made[key] = make()
+        runner.at_end.append(found.aclose)
     return found
 
 
-def _collected(runner: Process, made: dict[Any, AnyRedis], key: int) -> None:
-    """`client` was collected: close what was made for it, on the loop if it runs."""
-    found = made.pop(key, None)
-    if found is not None and runner.pid == os.getpid():
-        runner.soon(found.aclose)
-
-
-def _made_from(client: Any) -> AnyRedis:
+def _recipe(client: SyncClient) -> tuple[Hashable, Callable[[], AnyRedis]]:
+    """What identifies the asyncio client for `client` (its settings), and how to make it."""
+    if isinstance(client, str):
+        return ("url", client), lambda: redis.asyncio.Redis.from_url(client)
     library = _library(client)
     assert library is not None
     module = importlib.import_module(f"{library}.asyncio")
     if _is_cluster(client):
         cluster_module = importlib.import_module(f"{library}.asyncio.cluster")
-        nodes = [cluster_module.ClusterNode(node.host, node.port) for node in client.get_nodes()]
+        nodes = tuple((node.host, node.port) for node in client.get_nodes())
         first = client.get_nodes()[0].redis_connection.connection_pool
         options = _portable(first.connection_kwargs, module.Connection)
-        for key in ("host", "port", "db", "path"):
-            options.pop(key, None)
-        cluster: AnyRedis = getattr(module, type(client).__name__)(startup_nodes=nodes, **options)
-        return cluster
+        for setting in ("host", "port", "db", "path"):
+            options.pop(setting, None)
+        cluster_class = getattr(module, type(client).__name__)
+
+        def cluster() -> AnyRedis:
+            startup = [cluster_module.ClusterNode(host, port) for host, port in nodes]
+            made: AnyRedis = cluster_class(startup_nodes=startup, **options)
+            return made
+
+        return _key(client, library, "cluster", nodes, options), cluster
     pool = client.connection_pool
     connection_class = getattr(module.connection, pool.connection_class.__name__)
     options = _portable(pool.connection_kwargs, connection_class)
-    own = module.ConnectionPool(connection_class=connection_class, **options)
-    single: AnyRedis = getattr(module, "Valkey" if library == "valkey" else "Redis")(
-        connection_pool=own
-    )
-    return single
+    single_class = getattr(module, "Valkey" if library == "valkey" else "Redis")
+
+    def single() -> AnyRedis:
+        own = module.ConnectionPool(connection_class=connection_class, **options)
+        made: AnyRedis = single_class(connection_pool=own)
+        return made
+
+    return _key(client, library, connection_class.__name__, (), options), single
+
+
+def _key(
+    client: object, library: str, kind: str, nodes: tuple[Any, ...], options: dict[str, Any]
+) -> Hashable:
+    key = (library, kind, nodes, tuple(sorted(options.items())))
+    try:
+        hash(key)
+    except TypeError:  # a setting that cannot be compared: this client's own
+        return ("client", id(client))
+    return key
 
 
 def _portable(settings: dict[str, Any], connection_class: type) -> dict[str, Any]:

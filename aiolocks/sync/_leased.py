@@ -134,10 +134,17 @@ class SyncLock(Generic[L]):
         call = Call(runner.loop)
         holder = _Holder(call)
         call.start(self._hold(lock, holder, blocking, timeout))
-        call.wait()
-        if holder.release_request is None:  # not granted: the holder ended
-            return bool(call.result())
-        self._held[thread] = holder
+        try:
+            call.wait()
+            if holder.release_request is None:  # not granted: the holder ended
+                return bool(call.result())
+            self._held[thread] = holder
+        except BaseException:
+            # An interrupt raised just as the grant came (after the wait itself): the
+            # holding would have no owner; the holder, cancelled, releases it.
+            if holder.release_request is not None and self._held.get(thread) is not holder:
+                call.loop.call_soon_threadsafe(call.cancel)
+            raise
         return True
 
     async def _hold(self, lock: L, holder: _Holder, blocking: bool, timeout: float | None) -> bool:

@@ -70,12 +70,13 @@ class Call:
         try:
             self._step.acquire()
         except BaseException:
-            self.loop.call_soon_threadsafe(self._cancel)
+            self.loop.call_soon_threadsafe(self.cancel)
             self._step.acquire(timeout=CLEANUP_BOUND)
             raise
         # The lock is held again now: armed for the next step.
 
-    def _cancel(self) -> None:
+    def cancel(self) -> None:
+        """On the loop: cancel the task (wake the thread at once if it has ended)."""
         if self.task is None:  # not begun yet: `begin` runs before this callback
             return
         if self.task.done():
@@ -101,6 +102,8 @@ class Process:
         self.stopped = False
         # What the sync door keeps per process (the async clients made from sync ones).
         self.state: dict[str, Any] = {}
+        # Called on the loop as it ends, after the engine stopped (closing those clients).
+        self.at_end: list[Callable[[], Coroutine[Any, Any, Any]]] = []
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -125,13 +128,22 @@ class Process:
 
     def _run(self, ready: threading.Event) -> None:
         async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = self._loop.create_future()
+            loop = self._loop = asyncio.get_running_loop()
+            self._stop = loop.create_future()
             ready.set()
             await self._stop
+            # What asyncio.run's end does, done here so that the clients close after it:
+            # the holders' tasks cancelled (each releases what it holds), then the engine's
+            # loop-end watchers closed (they release the rest, bounded, and stop the engine).
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await loop.shutdown_asyncgens()
+            for close in self.at_end:
+                with contextlib.suppress(Exception):
+                    await close()
 
-        # asyncio.run's end cancels the holders' tasks (each releases what it holds), then
-        # closes the engine's loop-end watchers, which release the rest (bounded).
         asyncio.run(main())
 
     def stop(self) -> None:
@@ -148,20 +160,6 @@ class Process:
         except RuntimeError:  # closed already
             return
         thread.join(EXIT_BOUND)
-
-    def soon(self, function: Callable[[], Coroutine[Any, Any, Any]]) -> None:
-        """Run `function()` on the loop if it runs, without waiting (nothing if it does not:
-        then nothing of it was ever opened)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-
-        def begin() -> None:
-            task = loop.create_task(function())
-            task.add_done_callback(_retrieved)
-
-        with contextlib.suppress(RuntimeError):  # closed meanwhile
-            loop.call_soon_threadsafe(begin)
 
     def in_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
@@ -183,11 +181,6 @@ class Process:
 def _finish(stop: asyncio.Future[None]) -> None:
     if not stop.done():
         stop.set_result(None)
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 _process: Process | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -671,16 +672,18 @@ def _sync(data: dict[str, Any]) -> str:
     labels: dict[str, str] = data["contenders"]
     cells: dict[str, dict[str, list[dict[str, Any]]]] = data["results"]
 
-    def ops(processes: str, kind: str) -> float | None:
-        runs = sorted(run["ops"] for run in cells.get(processes, {}).get(kind, []))
-        return runs[len(runs) // 2] if runs else None
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
 
     rows = []
     for kind, label in labels.items():
         row: list[object] = [label]
         for processes in ("1", "4"):
-            mine, base = ops(processes, kind), ops(processes, data["baseline"])
-            row += [_num(mine), _times(None if mine is None or not base else mine / base)]
+            mine = cells.get(processes, {}).get(kind, [])
+            base = cells.get(processes, {}).get(data["baseline"], [])
+            # Each round's ratio to the baseline's run of the same round (the load drifts).
+            ratios = [a["ops"] / b["ops"] for a, b in zip(mine, base, strict=False) if b["ops"]]
+            row += [_num(median([run["ops"] for run in mine])), _times(median(ratios))]
         exact = all(run["exact"] for runs in cells.values() for run in runs.get(kind, []))
         row.append("yes" if exact else "NO")
         rows.append(row)

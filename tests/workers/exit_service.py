@@ -10,8 +10,10 @@ queued on the mutex; prints ``ready`` once the server has that waiter queued. Th
 - ``close-return``: closes the client first (`await client.aclose()`), then returns;
 - ``wait``: waits for a signal; SIGINT (Ctrl-C) ends it through `asyncio.run()`;
 - ``wait-term``: as ``wait``, and SIGTERM cancels the main task (the recipe of the docs).
+- ``wait-term-as-int``: as ``wait``, and SIGTERM is Ctrl-C (docs/workers.md's one line).
 
-Exits 0 after a return, 130 after Ctrl-C, 143 after a handled SIGTERM; an unhandled
+Exits 0 after a return, 130 after Ctrl-C (or a SIGTERM made one), 143 after a handled
+SIGTERM; an unhandled
 SIGTERM kills it.
 """
 
@@ -38,6 +40,10 @@ async def main(url: str, prefix: str, ttl: float, how: str) -> None:
         main_task = asyncio.current_task()
         assert main_task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
+    if how == "wait-term-as-int":
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, signal.raise_signal, signal.SIGINT
+        )
     client = redis.asyncio.Redis.from_url(url)
     queued = asyncio.Event()
     on_queued(client, lambda token: queued.set())
