@@ -186,3 +186,76 @@ def test_several_limits_and_rate_fail_when_the_app_is_built() -> None:
         aiohttp_limits.rate_limited("api", rate=1, limits=TWO_LIMITS)
     with pytest.raises(ValueError, match=r"cost must be in 1\.\.2"):
         request_limit("api", limits=TWO_LIMITS, cost=3)
+
+
+# Per-request limits: the tenant's plan chooses the limit; the tenant is in the name.
+PLANS = {"free": Limit(2, per=60.0, burst=2), "paid": Limit(4, per=60.0, burst=4)}
+
+
+def _plan_of(tenants: dict[str, str]) -> Any:
+    async def limits(request: Any) -> Limit:  # FastAPI's or aiohttp's request
+        return PLANS[tenants[request.match_info["tenant"]]]
+
+    def fastapi_limits(request: Any) -> Limit:  # sync, FastAPI's path_params
+        return PLANS[tenants[request.path_params["tenant"]]]
+
+    return limits, fastapi_limits
+
+
+@ONE_SERVER
+async def test_fastapi_limits_per_request_by_the_tenants_plan(r: redis.asyncio.Redis) -> None:
+    tenants = {"acme": "free", "bigco": "paid"}
+    _, limits = _plan_of(tenants)
+    app = FastAPI()
+
+    @app.get("/t/{tenant}")
+    async def work(
+        tenant: str,
+        permit: Annotated[
+            Permit, Depends(request_limit("tenant:{tenant}", limits=limits, client=r))
+        ],
+    ) -> dict[str, Any]:
+        return {"limit": permit.name, "rate": permit.limiter.limits[0].rate}
+
+    async with fastapi_client(app) as c:
+        acme = [(await c.get("/t/acme")).status_code for _ in range(3)]
+        bigco = [(await c.get("/t/bigco")).status_code for _ in range(5)]
+        assert acme == [200, 200, 429] and bigco == [200] * 4 + [429]
+        assert (
+            (await c.get("/t/acme"))
+            .json()["detail"]["message"]
+            .startswith("'tenant:acme' allows 2 requests per 60 s")
+        )
+        tenants["acme"] = "paid"  # the plan changed while the name is live: the answer is clear
+        mismatch = await c.get("/t/acme")
+        assert mismatch.status_code == 500, mismatch.text
+        body = mismatch.json()["detail"]
+        assert body["error"] == "limit_mismatch" and body["lock"] == "tenant:acme", body
+    assert (
+        await RedisRateLimiter(r, "tenant:acme", limits=[PLANS["free"]]).inspect()
+    ).available == 0
+
+
+@ONE_SERVER
+async def test_aiohttp_limits_per_request_by_the_tenants_plan(r: redis.asyncio.Redis) -> None:
+    tenants = {"acme": "free", "bigco": "paid"}
+    limits, _ = _plan_of(tenants)
+    app = web.Application()
+    decorate = aiohttp_limits.rate_limited("tenant:{tenant}", limits=limits, client=r)
+    app.router.add_get("/t/{tenant}", decorate(_aiohttp_handler))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        acme = [(await c.get("/t/acme")).status for _ in range(3)]
+        bigco = [(await c.get("/t/bigco")).status for _ in range(5)]
+        assert acme == [200, 200, 429] and bigco == [200] * 4 + [429]
+        tenants["bigco"] = "free"
+        mismatch = await c.get("/t/bigco")
+        body = await mismatch.json()
+        assert mismatch.status == 500 and body["error"] == "limit_mismatch", body
+        assert "tenant:bigco" in body["message"], body
+
+
+def test_per_request_limits_and_rate_fail_when_the_app_is_built() -> None:
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        request_limit("api", rate=1, limits=lambda request: PLANS["free"])
+    with pytest.raises(ValueError, match="or limits=, not both"):
+        aiohttp_limits.limit_middleware(lambda request: "api", burst=2, limits=lambda r: [])

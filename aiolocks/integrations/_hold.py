@@ -191,9 +191,10 @@ class LockPolicy:
         )
 
     @asynccontextmanager
-    async def hold(self, client: object, name: str) -> AsyncIterator[HeldLock]:
+    async def hold(self, client: object, name: str, request: object) -> AsyncIterator[HeldLock]:
         """Hold the lock `name` around the body; raise `Refusal` if it cannot be had, or
-        if its lease was lost (the body is cancelled at the loss, like `async with`)."""
+        if its lease was lost (the body is cancelled at the loss, like `async with`).
+        (`request`: unused, a rate limit's per-request limits read it.)"""
         client = ensure_async_client(client)
         try:
             validate_name(name, "lock name")

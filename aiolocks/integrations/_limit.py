@@ -4,24 +4,34 @@ A request takes its permits before the handler runs (waiting for them up to `tim
 when it cannot, it is refused with 429, a `Retry-After` header (seconds until the slot it
 asked for, rounded up) and the JSON body the lock refusals use. A permit is a slot in
 time: nothing is released after the handler.
+
+`limits=` may be a function of the request returning the request's limit(s) (e.g. by the
+tenant's plan). A name keeps one set of limits while it is live: a request whose limits
+differ from the name's live ones is answered 500 `limit_mismatch` (so each set of limits
+needs its own names, e.g. the tenant in the name).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from .._base._clients import ensure_async_client
-from .._base._errors import AccessDenied, ServerUnavailable
+from .._base._errors import AccessDenied, LimitMismatch, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import validate_timeout
-from ..ratelimit import Limit, RedisRateLimiter, validate_cost, validate_limits
+from ..ratelimit import MAX_BURST, Limit, RedisRateLimiter, validate_cost, validate_limits
 from ._hold import Refusal, status_code
 
-__all__ = ["LimitOptions", "LimitPolicy", "Permit"]
+__all__ = ["LimitOptions", "LimitPolicy", "Limits", "LimitsFunction", "Permit"]
+
+Limits = Limit | Sequence[Limit]
+# A function of the request (sync or async) returning the request's limit(s).
+LimitsFunction = Callable[[Any], Limits | Awaitable[Limits]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +49,7 @@ class LimitOptions(TypedDict, total=False):
 
     per: float
     burst: int | None
-    limits: Sequence[Limit] | None
+    limits: Sequence[Limit] | LimitsFunction | None
     cost: int
     timeout: float | None
     prefix: str
@@ -53,7 +63,8 @@ class LimitPolicy:
     rate: float | None = None
     per: float = 1.0
     burst: int | None = None
-    limits: Sequence[Limit] | None = None  # several limits instead of rate, per, burst
+    # several limits instead of rate, per, burst; or a function of the request giving them
+    limits: Sequence[Limit] | LimitsFunction | None = None
     cost: int = 1  # permits each request takes
     timeout: float | None = 0.0  # 0: refuse at once; t: wait up to t s for the slot
     prefix: str = DEFAULT_PREFIX
@@ -61,16 +72,21 @@ class LimitPolicy:
 
     def __post_init__(self) -> None:
         # Fail when the app is built, not on its first request.
-        settings = validate_limits(self.rate, self.per, self.burst, self.limits)
-        if self.limits is not None:
-            object.__setattr__(self, "limits", tuple(self.limits))  # not changed later
-        validate_cost(self.cost, min(burst for _, _, burst, _ in settings))
+        if callable(self.limits):  # per request: checked with each request's limits
+            if self.rate is not None or self.burst is not None or self.per != 1.0:
+                raise ValueError("give rate=, per=, burst= (one limit) or limits=, not both")
+            validate_cost(self.cost, MAX_BURST)  # and each request's burst
+        else:
+            settings = validate_limits(self.rate, self.per, self.burst, self.limits)
+            if self.limits is not None:
+                object.__setattr__(self, "limits", tuple(self.limits))  # not changed later
+            validate_cost(self.cost, min(burst for _, _, burst, _ in settings))
         validate_timeout(self.timeout)
         validate_prefix(self.prefix)
         status_code(self.busy_status, "busy_status", 400)
 
     @asynccontextmanager
-    async def hold(self, client: object, name: str) -> AsyncIterator[Permit]:
+    async def hold(self, client: object, name: str, request: object) -> AsyncIterator[Permit]:
         """Take the permits of `name` (waiting up to `timeout`), then run the body; raise
         `Refusal` if they cannot be had in time."""
         client = ensure_async_client(client)
@@ -78,19 +94,24 @@ class LimitPolicy:
             validate_name(name, "rate limit name")
         except ValueError as exc:
             raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
+        limits = self.limits
+        if callable(limits):
+            limits = await _limits_of(limits, request, self.cost)
         limiter = RedisRateLimiter(
             client,
             name,
             rate=self.rate,
             per=self.per,
             burst=self.burst,
-            limits=self.limits,
+            limits=limits,
             prefix=self.prefix,
         )
         try:
             wait = await limiter._acquire(True, self.timeout, self.cost)
         except (ServerUnavailable, AccessDenied) as exc:
             raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
+        except LimitMismatch as exc:
+            raise Refusal(500, "limit_mismatch", name, str(exc)) from exc
         if wait is not None:
             retry_after = max(1, math.ceil(wait))
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
@@ -101,3 +122,15 @@ class LimitPolicy:
             headers = {"Retry-After": str(retry_after)}
             raise Refusal(self.busy_status, "rate_limited", name, message, headers)
         yield Permit(name, self.cost, limiter)
+
+
+async def _limits_of(function: LimitsFunction, request: object, cost: int) -> tuple[Limit, ...]:
+    """The limits `function` gives for `request` (one `Limit` or a sequence of them),
+    checked: a TypeError/ValueError here is the function's bug (a 500)."""
+    limits = function(request)
+    if inspect.isawaitable(limits):
+        limits = await limits
+    chosen = (limits,) if isinstance(limits, Limit) else tuple(limits)
+    settings = validate_limits(None, 1.0, None, chosen)
+    validate_cost(cost, min(burst for _, _, burst, _ in settings))
+    return chosen

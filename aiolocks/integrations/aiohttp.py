@@ -68,7 +68,7 @@ class _Locker:
     def __init__(
         self,
         name: str | NameFunction,
-        hold: Callable[[Any, str], AbstractAsyncContextManager[object]],
+        hold: Callable[[Any, str, web.Request], AbstractAsyncContextManager[object]],
         client: AnyRedis | None,
         key: Any = None,
         query: Collection[str] = (),
@@ -94,7 +94,7 @@ class _Locker:
             if name is None:
                 return await handler(request)
             client = self.client if self.client is not None else _client_of(request)
-            async with self.hold(client, name) as held:
+            async with self.hold(client, name, request) as held:
                 request[self.key] = held
                 return await handler(request)
         except Refusal as refusal:
@@ -189,6 +189,10 @@ def limit_middleware(
       slot, rounded up) and the JSON body `{"error": "rate_limited", "lock": NAME,
       "message": ...}`; Redis unreachable, 503.
     - `cost`: permits each request takes (1); `prefix`: the key prefix.
+    - `limits`: a function of the request (sync or async) returning the request's
+      `Limit`(s), e.g. by the tenant's plan, instead of `rate`. A name keeps one set of
+      limits while live: put the tenant in the name; a request whose limits differ from
+      its name's live ones is answered 500 `"limit_mismatch"`.
     - The client: `client` if given, else `app[REDIS]`.
     """
     return _middleware(_Locker(name, LimitPolicy(rate, **options).hold, client, _PERMIT))

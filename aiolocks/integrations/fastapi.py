@@ -109,6 +109,11 @@ def request_limit(
       rounded up) and the JSON body `{"detail": {"error": "rate_limited", "lock": NAME,
       "message": ...}}`. Redis unreachable: 503 with `"error": "lock_unavailable"`.
     - `cost`: the permits each request takes (1).
+    - `limits`: `[Limit(...), ...]` for several limits, or a function of the `Request`
+      (sync or async) returning the request's `Limit`(s), e.g. by the tenant's plan, so
+      free and paid tenants share one dependency. A name keeps one set of limits while
+      live: put the tenant in the name; a request whose limits differ from its name's
+      live ones is answered 500 with `"error": "limit_mismatch"`.
 
     The dependency yields a `Permit` (name, cost, the limiter). Arguments are checked here,
     when the app is built.
@@ -120,7 +125,7 @@ def _dependency(
     name: str | NameDependency,
     client: redis.asyncio.Redis | None,
     state_key: str,
-    hold: Callable[[Any, str], AbstractAsyncContextManager[T]],
+    hold: Callable[[Any, str, Request], AbstractAsyncContextManager[T]],
 ) -> Callable[..., Awaitable[T]]:
     """The dependency holding `hold(client, name)` around each request."""
     if client is not None:
@@ -139,7 +144,7 @@ def _dependency(
     ) -> AsyncIterator[T]:
         redis_client = client if client is not None else _client_of(request, state_key)
         try:
-            async with hold(redis_client, lock_name) as held:
+            async with hold(redis_client, lock_name, request) as held:
                 yield held
         except Refusal as refusal:
             raise HTTPException(
