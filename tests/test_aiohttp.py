@@ -168,7 +168,7 @@ async def test_the_middleware_and_the_app_key(
 async def test_names_from_the_query_string_and_bad_names(r: redis.asyncio.Redis) -> None:
     app = web.Application()
 
-    @locked("reports:{kind}", client=r)
+    @locked("reports:{kind}", client=r, query=("kind",))
     async def report(request: web.Request) -> web.Response:
         return web.Response(text=held_lock(request).name)
 
@@ -179,6 +179,37 @@ async def test_names_from_the_query_string_and_bad_names(r: redis.asyncio.Redis)
         assert missing.status == 422 and (await missing.json())["error"] == "lock_name_incomplete"
         braces = await client.get("/reports", params={"kind": "{x}"})
         assert braces.status == 422 and (await braces.json())["error"] == "lock_name_invalid"
+
+
+@ONE_SERVER
+async def test_a_template_field_the_route_lacks_is_the_servers_error(
+    r: redis.asyncio.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo (`{orderid}` on `/orders/{order_id}/charge`) is not a 422 blaming the API
+    client, and `?orderid=999` does not choose the lock: the query string fills only the
+    fields named in `query=`."""
+    app = web.Application()
+
+    @locked("orders:{orderid}", client=r)
+    async def charge(request: web.Request) -> web.Response:
+        return web.Response(text=held_lock(request).name)
+
+    app.router.add_post("/orders/{order_id}/charge", charge)
+    async with http(app) as client:
+        for query in ("", "?orderid=999"):
+            assert (await client.post(f"/orders/7/charge{query}")).status == 500
+    assert "TemplateMismatch" in caplog.text
+    assert "'orderid'" in caplog.text and "POST /orders/{order_id}/charge" in caplog.text
+    assert "path parameter (order_id)" in caplog.text
+    assert await is_free(r, "orders:999") and await is_free(r, "orders:7")
+
+
+@pytest.mark.parametrize(
+    ("query", "error"), [(("day",), ValueError), ("kind", TypeError)], ids=["unknown", "str"]
+)
+def test_query_names_fields_of_the_template(query: Any, error: type) -> None:
+    with pytest.raises(error, match="query"):
+        locked("reports:{kind}", query=query)
 
 
 async def test_no_client_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:

@@ -109,6 +109,37 @@ async def test_default_is_at_most_rate_in_any_window_across_four_processes(
     assert _most_in_window(slots, 15_000) == 5 and most == rate, (most, len(slots))
 
 
+@pytest.mark.slow
+async def test_several_limits_across_four_processes(r: redis.asyncio.Redis, url: str) -> None:
+    """4 processes x 6 tasks on two limits for 6 s, counted on the server's clock: at most
+    20 in any 1 s window (the default's window reading), at most 40 + 5 t in any t (an
+    explicit burst); each reached while it binds: the first 2 s at 20 a second (the
+    second's burst not spent yet), the last 2 s at 5 a second."""
+    limits = [[20, 1.0, None], [5, 1.0, 40]]
+    workers, tasks, seconds = 4, 6, 6.0
+    results = await arun_workers(
+        str(WORKERS / "ratelimit_user.py"),
+        [[url, "two", "0", "0", json.dumps(limits), *map(str, (workers, tasks, seconds))]]
+        * workers,
+        timeout=60,
+    )
+    slots: list[int] = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
+        slots += [slot for slot, _ in json.loads(line[0].removeprefix("grants "))]
+    ordered = sorted(slots)
+    figures = {t: _most_in_window(slots, t) for t in (0, 500_000, 1_000_000, 2_000_000, 4_000_000)}
+    print(f"two limits: {len(slots)} grants, most in windows (µs): {figures}")
+    assert figures[1_000_000] <= 20, figures  # the first limit
+    for window_us, most in figures.items():
+        assert most <= 40 + 5 * window_us / 1e6, figures  # the second
+    first_two = bisect.bisect_right(ordered, ordered[0] + 2_000_000)
+    last_two = len(ordered) - bisect.bisect_left(ordered, ordered[-1] - 2_000_000)
+    assert first_two >= 0.95 * 40 and figures[1_000_000] == 20, (first_two, figures)
+    assert last_two >= 0.9 * 10, (last_two, figures)
+
+
 # -- one process ----------------------------------------------------------------------------
 
 

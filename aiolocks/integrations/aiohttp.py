@@ -22,7 +22,7 @@ This module imports aiohttp: install the `aiohttp` extra.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Unpack, cast
 
@@ -30,13 +30,14 @@ import redis.asyncio
 from aiohttp import web
 
 from .._base._clients import AnyRedis, ensure_async_client
-from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal
+from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal, TemplateMismatch
 from ._limit import LimitOptions, LimitPolicy, Permit
 
 __all__ = [
     "REDIS",
     "HeldLock",
     "Permit",
+    "TemplateMismatch",
     "held_lock",
     "limit_middleware",
     "lock_middleware",
@@ -70,9 +71,12 @@ class _Locker:
         hold: Callable[[Any, str], AbstractAsyncContextManager[object]],
         client: AnyRedis | None,
         key: Any = None,
+        query: Collection[str] = (),
     ) -> None:
         if isinstance(name, str):
-            name = _template_function(NameTemplate(name))
+            name = _template_function(NameTemplate(name), query)
+        elif query:
+            raise TypeError("query= names fields of a str template; the name is a function")
         elif not callable(name):
             raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
         if client is not None:
@@ -102,15 +106,18 @@ def locked(
     name: str | NameFunction,
     *,
     client: AnyRedis | None = None,
+    query: Collection[str] = (),
     **options: Unpack[LockOptions],
 ) -> Callable[[Handler], Handler]:
     """Decorate a handler so that each request runs holding the lock `name`.
 
     `name` is a template such as `"orders:{order_id}"` whose fields come from the route's
-    match info, then the query string; or a function of the request returning the name
-    (sync or async). The other options are those of `lock_middleware`.
+    match info, or from the query string for the fields named in `query` (only those: a
+    field that is neither raises `TemplateMismatch`, naming both, on the route's first
+    request); or a function of the request returning the name (sync or async). The other
+    options are those of `lock_middleware`.
     """
-    return _decorator(_Locker(name, LockPolicy(**options).hold, client))
+    return _decorator(_Locker(name, LockPolicy(**options).hold, client, query=query))
 
 
 def rate_limited(
@@ -118,14 +125,16 @@ def rate_limited(
     *,
     rate: float | None = None,
     client: AnyRedis | None = None,
+    query: Collection[str] = (),
     **options: Unpack[LimitOptions],
 ) -> Callable[[Handler], Handler]:
     """Decorate a handler so that each request runs only within the rate limit `name`.
 
-    `name` is a template or a function of the request, as for `locked`. The other options
-    are those of `limit_middleware`.
+    `name` (and `query`) as for `locked`: a template or a function of the request. The
+    other options are those of `limit_middleware`.
     """
-    return _decorator(_Locker(name, LimitPolicy(rate, **options).hold, client, _PERMIT))
+    policy = LimitPolicy(rate, **options)
+    return _decorator(_Locker(name, policy.hold, client, _PERMIT, query))
 
 
 def _decorator(locker: _Locker) -> Callable[[Handler], Handler]:
@@ -211,9 +220,26 @@ def permit(request: web.Request) -> Permit:
         ) from None
 
 
-def _template_function(template: NameTemplate) -> NameFunction:
+def _template_function(template: NameTemplate, query: Collection[str]) -> NameFunction:
+    if isinstance(query, str):
+        raise TypeError("query must be a collection of field names, such as ('kind',)")
+    asked = frozenset(query)
+    if not asked <= set(template.fields):
+        unknown = ", ".join(sorted(asked - set(template.fields)))
+        raise ValueError(f"query names {unknown}, not a field of {template.template!r}")
+    checked: dict[int, object] = {}  # id(route) -> the route, checked on its first request
+
     def fill(request: web.Request) -> str:
-        return template.fill(request.match_info, request.query)
+        route = request.match_info.route
+        if checked.get(id(route)) is not route:
+            resource = route.resource
+            label = f"{route.method} {resource.canonical if resource else route.name}"
+            template.check(label, request.match_info.keys(), asked)
+            checked[id(route)] = route
+        from_query: dict[str, str] = {}
+        if asked:  # parsing the query string is a cost of its own
+            from_query = {field: request.query[field] for field in asked if field in request.query}
+        return template.fill(request.match_info, from_query)
 
     return fill
 

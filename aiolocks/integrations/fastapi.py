@@ -17,7 +17,7 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any, TypeVar, Unpack
 
@@ -167,8 +167,10 @@ def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]
         if known is None or known[0] is not route:
             known = route, _query_fields(template, route)
             query_fields[id(route)] = known
-        query = request.query_params
-        from_query = {field: query[field] for field in known[1] if field in query}
+        from_query: Mapping[str, str] = {}
+        if known[1]:  # parsing the query string is a cost of its own
+            query = request.query_params
+            from_query = {field: query[field] for field in known[1] if field in query}
         try:
             return template.fill(request.path_params, from_query)
         except Refusal as refusal:
@@ -195,10 +197,13 @@ def _query_fields(template: NameTemplate, route: object) -> frozenset[str]:
 
 
 def _client_of(request: Request, key: str) -> Any:
-    for state in (request.state, request.app.state):  # the lifespan state, then app.state
-        found = getattr(state, key, None)
-        if found is not None:
-            return found
+    # The lifespan state (what `request.state` wraps: read here without making its
+    # State object), then app.state.
+    found = request.scope.get("state", {}).get(key)
+    if found is None:
+        found = getattr(request.app.state, key, None)
+    if found is not None:
+        return found
     raise RuntimeError(
         f"aiolocks found no Redis client for the request lock: yield {{{key!r}: client}} "
         f"from the app's lifespan, set app.state.{key}, or pass client= to request_lock()"

@@ -288,15 +288,17 @@ class Oracle:
         believes until its next renewal tells it otherwise, a third of its ttl after the
         server answers again (its loop's stalls added), or up to its validity's end if a
         fault of its own slowed that renewal. A validity counted from a request answered
-        after the restart is never excused."""
+        after the restart is never excused. Both go by when the request that set the
+        validity was written, not by when the holder heard back: a grant or renewal the
+        server ran before the restart, its reply or message late past it, still counts."""
         starts = self.net.restart_starts
         if not starts:
             return False
         history = self.world.recorder.validity.get(id(lease), [])
-        set_at = history[-1][0] if history else hold.start
+        written = history[-1][1] - validity(0.0, hold.ttl) if history else hold.start
         now = self.world.loop.time()
         for start, answers in zip(starts, self.net.restarts, strict=True):
-            if self.world.since(hold) < start and set_at < answers:
+            if written < answers:
                 gap = hold.ttl / 3 + 0.5 + hold.proc.stalled_between(start, now)
                 # (its own faults may hold its next renewal's answer off to the validity's end)
                 if now <= answers + gap or self.world.troubled(hold.proc, start - TROUBLE_BEFORE):

@@ -2,7 +2,8 @@
 
     python ratelimit_user.py URL NAME RATE PER BURST WORKERS TASKS SECONDS
 
-BURST `none` is the default (the window reading).
+BURST `none` is the default (the window reading); a JSON list of [rate, per, burst] is
+`limits=` (RATE and PER then unused).
 
 Waits until all WORKERS have connected (a barrier on the server), then runs TASKS tasks
 sharing one limiter for SECONDS: each loops `acquire(timeout=<time left>)`. For each grant
@@ -24,7 +25,7 @@ import redis.asyncio
 from _lockworker import emit, run
 from _primitiveworker import barrier
 
-from aiolocks import RedisRateLimiter
+from aiolocks import Limit, RedisRateLimiter
 
 _replies: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("replies")
 
@@ -44,14 +45,18 @@ def spy_on_replies() -> None:
 async def main(argv: list[str]) -> int:
     url, name = argv[0], argv[1]
     rate, per = float(argv[2]), float(argv[3])
-    burst = None if argv[4] == "none" else int(argv[4])
+    burst = None if argv[4] in ("none", "") or argv[4].startswith("[") else int(argv[4])
+    limits = [Limit(*limit) for limit in json.loads(argv[4])] if argv[4].startswith("[") else None
     workers, tasks, seconds = int(argv[5]), int(argv[6]), float(argv[7])
     client = redis.asyncio.Redis.from_url(url)
     spy_on_replies()
     grants: list[tuple[int, int]] = []
     try:
         await barrier(client, f"test:{{{name}}}:barrier", workers, 20)
-        limiter = RedisRateLimiter(client, name, rate=rate, per=per, burst=burst)
+        if limits is None:
+            limiter = RedisRateLimiter(client, name, rate=rate, per=per, burst=burst)
+        else:
+            limiter = RedisRateLimiter(client, name, limits=limits)
         end = time.monotonic() + seconds
 
         async def user() -> None:
