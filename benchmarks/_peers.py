@@ -125,6 +125,16 @@ class AiolocksLocalHandoffPeer(AiolocksPeer):
         return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=16))
 
 
+class AiolocksStrictFifoPeer(AiolocksPeer):
+    """`local_handoff=0` spelled out: strict FIFO across processes and tasks (the default)."""
+
+    key = "aiolocks_fifo"
+    label = "aiolocks RedisMutex local_handoff=0"
+
+    def lock(self, name: str) -> Contender:
+        return _AiolocksLock(RedisMutex(self.client, name, ttl=self.ttl, local_handoff=0))
+
+
 class AiolocksLocalHandoff4Peer(AiolocksPeer):
     """`local_handoff=4`: a remote waiter waits behind at most 4 local holdings."""
 
@@ -393,7 +403,7 @@ PEERS: tuple[type[Peer], ...] = (
     AioredlockPeer,
     FloorPeer,
 )
-_EXTRA: tuple[type[Peer], ...] = (AiolocksLocalHandoff4Peer,)  # bench_cost.py's only
+_EXTRA: tuple[type[Peer], ...] = (AiolocksLocalHandoff4Peer, AiolocksStrictFifoPeer)  # bench_cost
 BY_KEY = {peer.key: peer for peer in PEERS + _EXTRA}
 FLOOR = FloorPeer.key
 

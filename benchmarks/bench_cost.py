@@ -49,7 +49,7 @@ from aiolocks import __version__
 HERE = Path(__file__).resolve().parent
 REDISPY = "redispy_sleep_0.1"
 PRL = "python_redis_lock"
-LOCAL = {4: "aiolocks_local4", 16: "aiolocks_local16"}  # this build, local_handoff=N
+LOCAL = {0: "aiolocks_fifo", 4: "aiolocks_local4", 16: "aiolocks_local16"}  # local_handoff=N
 PHASES = {  # name: (processes, tasks per process, critical section)
     "uncontended": (1, 1, False),
     "1x16": (1, 16, True),

@@ -170,15 +170,40 @@ async def test_detach_errors(clients: list[redis.asyncio.Redis]) -> None:
     lock = RedisMutex(clients[0], "ho:errors", ttl=5)
     with pytest.raises(LockNotOwned):
         lock.detach()
+
+
+async def fence_of(mutex: RedisMutex) -> int | None:
+    assert await mutex.acquire()
+    return mutex.fencing_token
+
+
+async def test_a_local_handoff_holding_is_handed_over(clients: list[redis.asyncio.Redis]) -> None:
+    """A cohort's holding takes the cohort's lease with it: the adopter holds
+    it with its fence, the process's other task waits for it through Redis, and gets it
+    with a larger fence once the adopter releases."""
     cohort = RedisMutex(clients[0], "ho:cohort", ttl=5, local_handoff=4)
-    async with cohort:
-        with pytest.raises(LockError, match="local_handoff instance cannot hand a holding over"):
-            cohort.detach()
-        assert cohort.held()  # still held, and released by the block
-    plain = RedisMutex(clients[1], "ho:cohort", ttl=5)
+    assert await cohort.acquire()
+    fence = cohort.fencing_token
+    assert fence is not None
+    second = RedisMutex(clients[0], "ho:cohort", ttl=5, local_handoff=4)
+    other = asyncio.create_task(fence_of(second))
+    await asyncio.sleep(0)
+    handle = LockHandle.parse(str(cohort.detach()))
+    assert not cohort.held() and handle.fencing_token == fence
+    adopter = RedisMutex(clients[1], "ho:cohort", ttl=5)
+    await adopter.adopt(handle)
+    assert adopter.fencing_token == fence and not other.done()
+    await adopter.release()
+    second_fence = await asyncio.wait_for(other, 10)
+    assert second_fence is not None and second_fence > fence
+    await second.release()  # adopts the finished task's holding
+    # A plain holding adopted by a cohort's instance is renewed and released as its own.
+    plain = RedisMutex(clients[1], "ho:cohort", ttl=5, local_handoff=0)
     assert await plain.acquire()
-    with pytest.raises(LockError, match="local_handoff instance cannot hand"):
-        await cohort.adopt(plain.detach())
+    await cohort.adopt(plain.detach())
+    assert cohort.held()
+    await cohort.release()
+    assert not await plain.locked()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ _MAGIC = "aiolocks-handle"
 _VERSION = "1"
 # The kinds of holding that can be handed over, one per lock class (or side).
 KINDS = ("mutex", "semaphore", "rwlock-read", "rwlock-write")
-_TOKEN = re.compile(r"[0-9a-f]{32}")
+_TOKEN = re.compile(r"[0-9a-f]{32}(\+[0-9]+)?")  # "+N": a local hand-off cohort's
 
 
 @final

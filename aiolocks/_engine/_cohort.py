@@ -5,8 +5,12 @@ After Dice, Marathe and Shavit, "Lock Cohorting" (PPoPP 2012). The tasks of one 
 that want one lock with the same settings form a cohort. At most one of them (the
 contender) acquires through Redis at a time; the others wait here, in FIFO order, without
 any Redis state. When the cohort holds the lease, a release hands it to the next local
-task without a round trip, up to `bound` times in a row; then the release script is asked
-to give it to the global queue, or, when nobody waits there, to let the cohort keep it.
+task without a round trip, up to `bound` times in a row and for at most `CHAIN_LIMIT`
+seconds since the lease came from Redis, and never after a holding of `CHAIN_LIMIT` or
+more; then the release script is asked to give it to the global queue, or, when nobody
+waits there, to let the cohort keep it. So a waiter in another process waits beyond strict
+FIFO at most `bound` local holdings and at most `CHAIN_LIMIT` of them (plus the holding in
+progress when the limit passes).
 
 Fences stay strictly increasing across all holders: a cohort's token ends in "+<bound+1>"
 and every grant of it reserves that many consecutive fences (see `_prelude.lua`); local
@@ -29,10 +33,24 @@ from . import _release
 from ._context import ClientContext
 from ._release import Unanswered
 
-__all__ = ["MAX_LOCAL_HANDOFF", "Cohort", "Member", "cohort_for", "cohort_token", "cohorts_of"]
+__all__ = [
+    "CHAIN_LIMIT",
+    "MAX_LOCAL_HANDOFF",
+    "Cohort",
+    "Member",
+    "cohort_for",
+    "cohort_token",
+    "cohorts_of",
+    "is_cohort_token",
+]
 
 
 MAX_LOCAL_HANDOFF = 10_000
+# Local passes stop once the lease has stayed in this process so long since it came from
+# Redis, and after any holding this long. Go's sync.Mutex turns fair after a 1 ms wait, but
+# a pass through Redis costs ~100x a thread's hand-off (a round trip): 10 ms keeps 0.1-5 ms
+# bodies passing locally and makes 20 ms ones strict FIFO (docs/benchmarks.md).
+CHAIN_LIMIT = 0.010
 
 _Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
 
@@ -99,6 +117,11 @@ def cohort_token(token: str, bound: int) -> str:
     return f"{token}+{bound + 1}"
 
 
+def is_cohort_token(token: str) -> bool:
+    """True for a token `cohort_token` made (a cohort's lease, shared by its holdings)."""
+    return "+" in token
+
+
 class Cohort:
     """The tasks of one process (one client, one loop) that want one lock with one setting
     of `ttl` and `local_handoff`."""
@@ -116,6 +139,8 @@ class Cohort:
         self._lease: Lease | None = None
         self._next_fence = 0
         self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
+        self._chain_start = 0.0  # when it last came from (or stayed with) Redis
+        self._held_since = 0.0  # when the current holder got it
         self._holder: tuple[Member, Holding] | None = None
 
     @property
@@ -193,6 +218,7 @@ class Cohort:
         self.token = grant.token
         self._next_fence = grant.fence + 1
         self.passes = 0
+        self._chain_start = time.monotonic()
         give_back = functools.partial(
             _release.release, self._context, self._spec, grant.token, self._ttl_ms
         )
@@ -206,6 +232,7 @@ class Cohort:
         assert self.token is not None and self._lease is not None
         holding = lock._install(task, self.token, fence, self._lease)
         self._holder = (lock, holding)
+        self._held_since = time.monotonic()
 
     def _promote(self) -> None:
         """Make the first waiting task the contender, if nobody is contending or holding."""
@@ -248,7 +275,7 @@ class Cohort:
                 answer = await _release.answered_by(self._return(holding.token), until)
                 return answer if isinstance(answer, _release.Unanswered) else False
             waiter = self._next_waiter()
-            if waiter is not None and self.passes < self.bound:
+            if waiter is not None and self._may_pass():
                 self._pass(waiter, lock._spec)
                 return True
             if waiter is not None:
@@ -261,6 +288,25 @@ class Cohort:
             return await _release.answered_by(self._return(holding.token), until)
         finally:
             self._retire_if_idle()
+
+    def _may_pass(self) -> bool:
+        """Whether the bound allows one more local pass: by count, by the time the lease
+        has stayed here, and not after a long holding."""
+        if self.passes >= self.bound:
+            return False
+        now = time.monotonic()
+        return now - self._chain_start < CHAIN_LIMIT and now - self._held_since < CHAIN_LIMIT
+
+    def detach(self, holding: Holding) -> None:
+        """`holding` leaves the process (`detach()`): the cohort lets go of its lease
+        without releasing it (the handle's adopter renews it), and its waiting tasks go on
+        through Redis."""
+        if self._holder is not None and self._holder[1] is holding:
+            self._holder = None
+        if holding.token == self.token:
+            self._let_go()
+            self._promote()
+        self._retire_if_idle()
 
     def _pass(self, waiter: _LocalWaiter, releaser: Spec) -> None:
         fence, self._next_fence = self._next_fence, self._next_fence + 1
@@ -301,6 +347,7 @@ class Cohort:
             return True
         self._pass(waiter, releaser)
         self.passes = 0  # a new block: that pass came from Redis
+        self._chain_start = sent_at
         return True
 
     async def _return(self, token: str) -> bool | None:

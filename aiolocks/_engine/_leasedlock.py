@@ -43,7 +43,7 @@ from .._base._query import AsyncWithOnly
 from .._leases._keeper import Holding, Lease, LeaseOwner, current_task
 from .._scripts import Script
 from . import _acquire, _release
-from ._cohort import cohort_for, cohort_token
+from ._cohort import cohort_for, cohort_token, cohorts_of, is_cohort_token
 from ._context import ClientContext, context_for
 from ._settings import (
     DEFAULT_REPLICA_TIMEOUT,
@@ -417,8 +417,9 @@ class LeasedLock(AsyncWithOnly):
         self._uncap(holding)
         _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
+        in_cohort = self._local_handoff and is_cohort_token(holding.token)
         if holding.is_lost:
-            if not self._local_handoff:
+            if not in_cohort:
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
@@ -432,7 +433,7 @@ class LeasedLock(AsyncWithOnly):
             # was released or lost cannot be told, and the report must not wait.
             valid_until = None if holding.lease is None else holding.lease.valid_until
             try:
-                if self._local_handoff:
+                if in_cohort:
                     cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                     answer = await cohort.release(self, holding, valid_until)
                 else:
@@ -472,8 +473,9 @@ class LeasedLock(AsyncWithOnly):
         """Let go of the current task's holding here without releasing it, for another
         process to `adopt()`: renewal here stops, so adopt it within the `ttl`.
 
-        Raises `LockNotOwned` if the task holds nothing, `LockLost` if the lease had been
-        lost, and `LockError` for a `local_handoff` holding (its lease is the process's).
+        Raises `LockNotOwned` if the task holds nothing, and `LockLost` if the lease had
+        been lost. A local hand-off holding takes its cohort's lease with it: this
+        process's other tasks then wait for it through Redis.
         """
         self._check_handover()
         holding = self._find_holding()
@@ -482,6 +484,11 @@ class LeasedLock(AsyncWithOnly):
         del self._holdings[holding.task]
         self._uncap(holding)
         context = context_for(self._client)
+        if self._local_handoff and is_cohort_token(holding.token):
+            key = (self._spec.channel, self._ttl_ms, self._local_handoff)
+            cohort = cohorts_of(context).get(key)
+            if cohort is not None:
+                cohort.detach(holding)  # drops the lease from the keeper if it is the cohort's
         self._stop_renewal(context, holding)
         _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
@@ -539,11 +546,6 @@ class LeasedLock(AsyncWithOnly):
     def _check_handover(self) -> None:
         if not self._handle_kind:
             raise LockError(self._name, f"a {type(self).__name__} cannot be handed over")
-        if self._local_handoff:
-            raise LockError(
-                self._name, "a local_handoff instance cannot hand a holding over: its lease "
-                "is shared by this process's tasks",
-            )  # fmt: skip
 
     # -- the current task's holding ----------------------------------------------------
 
