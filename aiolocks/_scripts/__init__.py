@@ -34,11 +34,20 @@ _PRELUDE = _read("_prelude.lua")
 _DEFINES = re.compile(r"^local (?:function )?(\w+(?:\s*,\s*\w+)*)", re.MULTILINE)
 
 
+# Where one top-level item of the prelude ends and the next begins: a blank line followed by
+# an unindented comment or `local`. A blank line inside a function (whose body is indented)
+# does not cut it; its closing `end` is checked below.
+_ITEM_START = re.compile(r"\n\n(?=--|local )")
+
+
 def _blocks(prelude: str) -> list[tuple[frozenset[str], str]]:
-    """The prelude's paragraphs (split at blank lines) that define something, each with the
-    names it defines; comment-only paragraphs are left out."""
+    """The prelude's top-level items that define something, each with the names it
+    defines; comment-only items are left out. Raises ValueError for an item holding a
+    function that does not end at its last line (it would lose its tail)."""
     blocks = []
-    for text in prelude.split("\n\n"):
+    for text in _ITEM_START.split(prelude):
+        if "local function " in text and not text.rstrip("\n").endswith("\nend"):
+            raise ValueError(f"prelude item does not end with its function's end: {text[:60]!r}")
         names = {name.strip() for found in _DEFINES.findall(text) for name in found.split(",")}
         if names:
             blocks.append((frozenset(names), text))
