@@ -9,6 +9,19 @@
 -- it wakes from the script's reply) need not publish; kind is 'x' (exclusive), or 'r' /
 -- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
+--
+-- Invariants every script keeps (the simulation's oracle checks them against the server):
+--   1. The owner (or a holder slot) is set only when the lock is free and no live waiter is
+--      ahead of the caller in the queue: a newcomer never overtakes a live waiter.
+--   2. Every grant goes through the fence (grant_fence / hold_in_set): no holder without
+--      a fence taken after every earlier grant's.
+--   3. A holder is never queued: a member is popped from the queue before it is granted,
+--      and an acquire by a holder renews, it does not enqueue.
+--   4. The waiters zset is a subset of the queue list: a member enters the list with its
+--      zset entry (enqueue) and leaves the zset no later than the list (pop_live).
+-- The prelude is cut into its top-level items (see aiolocks/_scripts/__init__.py): an item
+-- starts at an unindented comment or `local` after a blank line; only the items a script
+-- uses are prepended to it.
 
 -- Fail the script with `message` as its error reply. From Redis 7.0 (version number
 -- 0x070000 = 458752; every Valkey) a raised {err = ...} table is the reply as it stands
