@@ -73,4 +73,4 @@ for _name in __all__:
     globals()[_name].__module__ = "aiolocks"
 del _name
 
-__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+__version__ = "0.2.0.dev0"  # the package's version (pyproject.toml reads it from here)

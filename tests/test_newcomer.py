@@ -128,7 +128,7 @@ async def test_one_version_everywhere() -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "aiolocks.__version__"}
     ran = await cli("--version")
     assert (ran.code, ran.out) == (0, f"aiolocks {aiolocks.__version__}\n")
-    assert re.fullmatch(r"\d+\.\d+\.\d+", aiolocks.__version__)
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", aiolocks.__version__)
 
 
 def test_the_docs_count_the_primitives_there_are() -> None:

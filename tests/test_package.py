@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import aiolocks
+
 ROOT = Path(__file__).resolve().parent.parent
 # What the build reads: the package and the files pyproject.toml and MANIFEST.in name.
 _SOURCES = ["pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md", "aiolocks"]
@@ -45,8 +47,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_works_outside_the_checkout(
             shutil.copy2(ROOT / name, source / name)
     _run(sys.executable, "-m", "build", "--outdir", dist, source, cwd=tmp_path, env=env)
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
-    assert [path.name for path in wheels] == ["aiolocks-0.1.0-py3-none-any.whl"]
-    assert [path.name for path in sdists] == ["aiolocks-0.1.0.tar.gz"]
+    assert [path.name for path in wheels] == [f"aiolocks-{aiolocks.__version__}-py3-none-any.whl"]
+    assert [path.name for path in sdists] == [f"aiolocks-{aiolocks.__version__}.tar.gz"]
     checked = _run(
         sys.executable, "-m", "twine", "check", "--strict", *wheels, *sdists, cwd=tmp_path, env=env
     )
@@ -71,7 +73,24 @@ def test_the_wheel_installs_into_a_fresh_venv_and_works_outside_the_checkout(
         python, "-c", "import importlib.metadata as m; print(m.version('aiolocks'))",
         cwd=elsewhere, env=env,
     ).strip()  # fmt: skip
-    assert version == f"aiolocks {installed}" == "aiolocks 0.1.0"
+    assert version == f"aiolocks {installed}" == f"aiolocks {aiolocks.__version__}"
     smoke = _run(python, "smoke.py", cwd=elsewhere, env=env)
     assert smoke.startswith(f"smoke ok: {venv.resolve()}/lib/"), smoke
     assert re.search(r"fence \d{16}$", smoke.rstrip()), smoke  # server microseconds
+
+
+def test_the_version_follows_the_changelog() -> None:
+    """`__version__` is the CHANGELOG's latest release, or, while `[Unreleased]` has
+    entries, a `.devN` of a later one: a version number that says what it contains."""
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    released = re.findall(r"^## \[(\d+)\.(\d+)\.(\d+)\]", changelog, re.MULTILINE)
+    assert released, "CHANGELOG.md has no released version"
+    latest = tuple(int(part) for part in released[0])
+    unreleased = changelog.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+    match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(\.dev\d+)?", aiolocks.__version__)
+    assert match, aiolocks.__version__
+    version = tuple(int(part) for part in match.groups()[:3])
+    if re.search(r"^- ", unreleased, re.MULTILINE):
+        assert match[4] and version > latest, (aiolocks.__version__, latest)
+    else:
+        assert not match[4] and version == latest, (aiolocks.__version__, latest)
