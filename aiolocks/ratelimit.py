@@ -493,7 +493,8 @@ class RedisRateLimiter(AsyncWithOnly):
         wait = await self._acquire(True, self._timeout, 1)
         if wait is not None:
             assert self._timeout is not None
-            raise LockTimeout(self._name, self._timeout, f"the next free slot is in {wait:.3f} s")
+            slot = f"the next free slot is in {wait:.3f} s"
+            raise LockTimeout(self._name, self._timeout, slot, retry_after=wait)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from aiolocks import LockNotOwned, RedisMutex, RedisSemaphore
+from aiolocks import LockNotOwned, RedisMutex, RedisRateLimiter, RedisSemaphore
 from aiolocks.integrations.fastapi import (
     HeldLock,
     TemplateMismatch,
@@ -470,7 +470,7 @@ async def test_an_unreachable_redis_answers_503() -> None:
 
 
 @ONE_SERVER
-async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
+async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_and_limit_do(
     r: redis.asyncio.Redis,
 ) -> None:
     with socket.socket() as sock:  # a loopback port nobody listens on
@@ -494,10 +494,17 @@ async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
         await RedisMutex(r, "never-held").release()
         return "unreachable"
 
+    @app.post("/limited")
+    async def limited() -> str:
+        async with RedisRateLimiter(r, "api", rate=1, per=60, burst=1, timeout=0.05):
+            return "let in"
+
     try:
         async with RedisMutex(r, "held"), http(app) as client:
             unavailable = await client.post("/exports")
             busy = await client.post("/held")
+            assert (await client.post("/limited")).status_code == 200  # the one permit
+            rate_limited = await client.post("/limited")
             with pytest.raises(LockNotOwned):  # a bug in the endpoint stays the server's 500
                 await client.post("/bug")
     finally:
@@ -506,6 +513,12 @@ async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
     assert unavailable.json()["detail"]["error"] == "lock_unavailable"
     assert unavailable.json()["detail"]["lock"] == "exports"
     assert busy.status_code == 409 and busy.json()["detail"]["error"] == "lock_busy"
+    assert "retry-after" not in busy.headers  # a holder may release any moment
+    # a rate limiter's timeout: no slot for ~60 s, said as a 429 with when to come back
+    assert rate_limited.status_code == 429, rate_limited.text
+    assert rate_limited.json()["detail"]["error"] == "rate_limited"
+    assert rate_limited.json()["detail"]["lock"] == "api"
+    assert 55 <= int(rate_limited.headers["retry-after"]) <= 60
 
 
 def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None:
