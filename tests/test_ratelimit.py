@@ -604,7 +604,7 @@ async def test_a_change_under_load_from_other_processes(r: redis.asyncio.Redis, 
     )
     # the workers' barrier, with this process as one more party (a client of its own: no
     # socket timeout while the workers start)
-    async with redis.asyncio.Redis.from_url(url) as gate:
+    async with redis.asyncio.Redis.from_url(url, socket_timeout=60) as gate:
         if await gate.incr("test:{api}:barrier:arrived") == workers + 1:
             await gate.rpush("test:{api}:barrier:gate", *["go"] * (workers + 1))
         assert await gate.blpop(["test:{api}:barrier:gate"], timeout=30) is not None
