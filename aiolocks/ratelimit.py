@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Any, Self, final
 
 from ._base import _telemetry
+from ._base._adapter import text
 from ._base._clients import AnyRedis, ensure_async_client
 from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
@@ -277,7 +278,7 @@ class RedisRateLimiter(AsyncWithOnly):
     def _adopt(self, state: bytes | str) -> None:
         """Use the limits stored in `state` (set by `set_limits()`, newer than this
         instance's): the stored settings win (see `set_limits`)."""
-        fields = _text(state).split(" ")
+        fields = text(state).split(" ")
         stamp = int(fields.pop(0)[1:]) if fields[0].startswith("=") else 0
         self._configure(
             tuple(
@@ -441,7 +442,7 @@ class RedisRateLimiter(AsyncWithOnly):
                 f"cost must be in 1..{self._most} for {self._name!r} since set_limits() stored "
                 f"{_shown(self._limits)}, got {cost}"
             )
-        fields = [_text(value) for value in reply[1:]]
+        fields = [text(value) for value in reply[1:]]
         stored = ", ".join(
             f"rate={fields[at]} per={fields[at + 1]} burst={fields[at + 2]}"
             for at in range(0, len(fields), 3)
@@ -481,7 +482,7 @@ class RedisRateLimiter(AsyncWithOnly):
                 _SET, (self._key,), _arguments(settings), retry=True
             )
         self._configure(settings, int(reply[0]))
-        fields = [_text(value) for value in reply[1:]]
+        fields = [text(value) for value in reply[1:]]
         return tuple(
             Limit(float(fields[at]), float(fields[at + 1]), int(fields[at + 2]))
             for at in range(0, len(fields), 3)
@@ -531,7 +532,7 @@ class RedisRateLimiter(AsyncWithOnly):
         limits = []
         for at in range(1, len(reply), 5):
             tat, interval, burst = (int(value) for value in reply[at : at + 3])
-            limits.append(Limit(float(_text(reply[at + 3])), float(_text(reply[at + 4])), burst))
+            limits.append(Limit(float(text(reply[at + 3])), float(text(reply[at + 4])), burst))
             reserved = max(tat - now, 0)  # reserved time not yet past
             room = burst * interval - reserved  # what a cost-n call may add without waiting
             available = min(available, max(0, room // interval))
@@ -552,15 +553,11 @@ class RedisRateLimiter(AsyncWithOnly):
 def _arguments(limits: tuple[Settings, ...]) -> tuple[str, ...]:
     """The scripts' arguments for `limits`: interval, burst, rate, per of each."""
     return tuple(
-        text
+        field
         for rate, per, burst, interval in limits
-        for text in (str(interval), str(burst), repr(rate), repr(per))
+        for field in (str(interval), str(burst), repr(rate), repr(per))
     )
 
 
 def _shown(limits: tuple[Settings, ...]) -> str:
     return ", ".join(f"rate={rate!r} per={per!r} burst={burst}" for rate, per, burst, _ in limits)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -6,7 +6,6 @@ and FastAPI resolves their annotations at run time.
 """
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,12 @@ import httpx
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from _web import ONE_SERVER, Gate, is_free, load_example
+from _web import ONE_SERVER, Gate, is_free, load_example, unreachable_client
 from asgi_lifespan import LifespanManager
 from conftest import Tasks
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from aiolocks import LockNotOwned, RedisMutex, RedisRateLimiter, RedisSemaphore
 from aiolocks.integrations.fastapi import (
@@ -453,11 +450,7 @@ def test_import_aiolocks_needs_no_web_framework() -> None:
 
 
 async def test_an_unreachable_redis_answers_503() -> None:
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    no_retries = Retry(NoBackoff(), 0)  # fail at once, not after redis-py's back-off
-    client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=no_retries)
+    client = unreachable_client()
     try:
         gate = Gate()
         async with http(orders_app(gate, request_lock("orders:{order_id}", client=client))) as c:
@@ -473,10 +466,7 @@ async def test_an_unreachable_redis_answers_503() -> None:
 async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_and_limit_do(
     r: redis.asyncio.Redis,
 ) -> None:
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    down = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+    down = unreachable_client()
     app = FastAPI(exception_handlers=lock_error_handlers)
 
     @app.post("/exports")
@@ -528,10 +518,7 @@ def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None
     the loop's end waited out the clean-up's whole bound (max(5 s, ttl): 29 s here)."""
 
     async def program() -> int:
-        with socket.socket() as sock:  # a loopback port nobody listens on
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+        client = unreachable_client()
         try:
             app = orders_app(Gate(), request_lock("orders:{order_id}", client=client))
             async with http(app) as c:
