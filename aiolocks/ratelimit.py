@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Any, Self, final
 
 from ._base import _telemetry
+from ._base._adapter import text
 from ._base._clients import AnyRedis, ensure_async_client
 from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
@@ -406,7 +407,7 @@ class RedisRateLimiter(AsyncWithOnly):
         self._stats[3 if int(given) == 1 else 4] += 1
 
     def _mismatch(self, reply: list[Any]) -> LimitMismatch:
-        fields = [_text(value) for value in reply[1:]]
+        fields = [text(value) for value in reply[1:]]
         stored = ", ".join(
             f"rate={fields[at]} per={fields[at + 1]} burst={fields[at + 2]}"
             for at in range(0, len(fields), 3)
@@ -426,7 +427,8 @@ class RedisRateLimiter(AsyncWithOnly):
         wait = await self._acquire(True, self._timeout, 1)
         if wait is not None:
             assert self._timeout is not None
-            raise LockTimeout(self._name, self._timeout, f"the next free slot is in {wait:.3f} s")
+            slot = f"the next free slot is in {wait:.3f} s"
+            raise LockTimeout(self._name, self._timeout, slot, retry_after=wait)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -463,7 +465,7 @@ class RedisRateLimiter(AsyncWithOnly):
         limits = []
         for at in range(1, len(reply), 5):
             tat, interval, burst = (int(value) for value in reply[at : at + 3])
-            limits.append(Limit(float(_text(reply[at + 3])), float(_text(reply[at + 4])), burst))
+            limits.append(Limit(float(text(reply[at + 3])), float(text(reply[at + 4])), burst))
             reserved = max(tat - now, 0)  # reserved time not yet past
             room = burst * interval - reserved  # what a cost-n call may add without waiting
             available = min(available, max(0, room // interval))
@@ -479,7 +481,3 @@ class RedisRateLimiter(AsyncWithOnly):
             reserved_ms=math.ceil(ahead / 1000),
             limits=tuple(limits),
         )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
