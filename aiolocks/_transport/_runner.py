@@ -452,16 +452,24 @@ class Replies(asyncio.Protocol):
         self._lost_with(redis.exceptions.ConnectionError(reason))
 
 
-def direct_reader(connection: AbstractConnection) -> tuple[Any, asyncio.BaseTransport] | None:
+def direct_reader(
+    connection: AbstractConnection, *, pubsub: bool = False
+) -> tuple[Any, asyncio.BaseTransport] | None:
     """A hiredis reader for `connection`'s replies, and its transport, if the connection is
     a socket with nothing buffered and hiredis can parse its protocol (RESP2, or RESP3
-    with pushes marked); else None: redis-py reads it."""
+    with pushes marked); else None: redis-py reads it.
+
+    For a `pubsub` connection (whose messages come unasked, some maybe received already
+    while it re-subscribed): bytes waiting in its stream are fed to the reader, and replies
+    stay bytes whatever the client's `decode_responses` (the notifier reads them)."""
     transport = _adapter.socket_transport(connection)  # asyncio's, or uvloop's
+    unread = _adapter.unread(connection)
     if (
         not HIREDIS
         or str(getattr(connection, "protocol", 2)) not in _PROTOCOLS
         or transport is None
-        or _adapter.unread(connection) is not False
+        or unread is None
+        or (unread and not pubsub)
     ):
         return None
     parse_error = _adapter.reply_error(connection)
@@ -473,10 +481,16 @@ def direct_reader(connection: AbstractConnection) -> tuple[Any, asyncio.BaseTran
         "notEnoughData": MORE,
     }
     encoder = connection.encoder
-    if encoder.decode_responses:
+    if encoder.decode_responses and not pubsub:
         options["encoding"] = encoder.encoding
         options["errors"] = encoder.encoding_errors
-    return hiredis.Reader(**options), transport
+    reader = hiredis.Reader(**options)
+    if unread:
+        received = _adapter.take_unread(connection)
+        if received is None:
+            return None  # the stream saw its end: redis-py's read reports it
+        reader.feed(received)
+    return reader, transport
 
 
 def install_replies(
