@@ -337,6 +337,58 @@ async def test_channels_that_leave_together_leave_no_stale_confirmation(
         await admin.aclose()
 
 
+async def test_a_channel_that_left_is_not_subscribed_again_after_a_reconnect(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notifier parses its messages where they arrive, so redis-py never reads an
+    unsubscription's confirmation: it is told of it (`_adapter.pubsub_unsubscribed`), else
+    it would subscribe the channel that left again on its next re-connect, for good."""
+    monkeypatch.setattr(notifier_module, "_LINGER", 0.05)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await admin.flushall()
+        notifier = context_for(client).notifier
+        left, kept = (f"aiolocks:mutex:{{{name}}}:wake".encode() for name in ("left", "kept"))
+        await notifier.retain(kept, None)
+        await notifier.retain(left, None)
+        link = notifier._links[""]
+        assert link.parser is not None  # read where they arrive (hiredis, a socket)
+        confirmed = asyncio.Event()
+        unsubscribed = link.unsubscribed
+
+        def confirmation(name: bytes) -> bool:
+            ours = unsubscribed(name)
+            if ours and name == left:
+                confirmed.set()
+            return ours
+
+        monkeypatch.setattr(link, "unsubscribed", confirmation)
+        notifier.release(left)
+        await asyncio.wait_for(confirmed.wait(), 5)
+        resynced: list[bytes] = []
+        again = asyncio.Event()
+        resync = notifier.resync
+
+        def resync_kept(wake: bytes) -> None:
+            resync(wake)
+            resynced.append(wake)
+            if resynced.count(kept) >= 2:  # at the drop, then once subscribed again
+                again.set()
+
+        monkeypatch.setattr(notifier, "resync", resync_kept)
+        await admin.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(again.wait(), 10)
+        counts = await admin.execute_command("PUBSUB", "SHARDNUMSUB", left, kept)  # type: ignore[no-untyped-call]
+        plain = await admin.execute_command("PUBSUB", "NUMSUB", left, kept)  # type: ignore[no-untyped-call]
+        subscribed = [int(a) + int(b) for a, b in zip(counts[1::2], plain[1::2], strict=True)]
+        assert subscribed == [0, 1], subscribed
+        notifier.release(kept)
+    finally:
+        await close_client(client)
+        await admin.aclose()
+
+
 # -- 3.5 set_limit between try and wait -----------------------------------------------------
 
 
