@@ -38,6 +38,12 @@ __all__ = ["RedisMultiLock"]
 _TRY_ALL = load("multi_try")
 
 
+def _fences(reply: list[Any]) -> list[int] | None:
+    """`_TRY_ALL`'s reply decoded: every name's fence, in sorted order, when the token took
+    them all ({1, fences...}); None when it took none ({0})."""
+    return [int(fence) for fence in reply[1:]] if int(reply[0]) == 1 else None
+
+
 class _Taken:
     """The names one acquisition holds so far: their fences and leases."""
 
@@ -216,12 +222,13 @@ class RedisMultiLock(LeasedLock):
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
-        if int(reply[0]) != 1:
+        fences = _fences(reply)
+        if fences is None:
             return []
         if _acquire.late_grant(sent_at, self._ttl_ms):
             taken.unconfirmed = True
             return []
-        grants = [_spec.Grant(token, int(fence), sent_at) for fence in reply[1:]]
+        grants = [_spec.Grant(token, fence, sent_at) for fence in fences]
         for spec, grant in zip(self._specs, grants, strict=True):
             self._took(context, taken, spec, grant)
         return grants
@@ -231,7 +238,7 @@ class RedisMultiLock(LeasedLock):
     ) -> None:
         """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
         owner = Callbacks(
-            functools.partial(self._name_lost, taken, spec.name),
+            functools.partial(self._name_lost, context, taken, spec, grant.token),
             functools.partial(_release.release, context, spec, grant.token, self._ttl_ms),
         )
         lease = Lease(
@@ -272,8 +279,13 @@ class RedisMultiLock(LeasedLock):
         taken.holding = holding
         self._cap(context, holding, grant.granted_at)
 
-    def _name_lost(self, taken: _Taken, name: str, reason: str) -> None:
-        reason = f"{name!r}: {reason}"
+    def _name_lost(
+        self, context: ClientContext, taken: _Taken, spec: _spec.Spec, token: str, reason: str
+    ) -> None:
+        """The keeper lost one name's lease: the holder is told (now, or when it holds), and
+        that name's token given back at once (`_release.give_back_lost`)."""
+        _release.give_back_lost(context, spec, token, self._ttl_ms)
+        reason = f"{spec.name!r}: {reason}"
         if taken.holding is None:
             taken.lost_reason = taken.lost_reason or reason
         elif not taken.holding.is_lost:

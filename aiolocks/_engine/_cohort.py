@@ -31,7 +31,7 @@ from .._base._spec import Grant, Spec
 from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, validity
 from . import _release
 from ._context import ClientContext
-from ._release import Unanswered
+from ._release import Released, Unanswered
 
 __all__ = [
     "CHAIN_LIMIT",
@@ -327,20 +327,20 @@ class Cohort:
             self._let_go()
             self._promote()
             raise
-        status = int(reply[0])
-        if status != 2:
-            _release.wake_granted(context, spec, reply, 1, sent_at)
-            _telemetry.on_handoff(releaser, (len(reply) - 1) // 3)
+        status = reply.status
+        if status is not Released.KEPT:
+            _release.wake_granted(context, spec, reply.grants, sent_at)
+            _telemetry.on_handoff(releaser, len(reply.grants))
             self._let_go()
             self._promote()
-            return None if unsure and status == 0 else status == 1
+            return None if unsure and status is Released.NOT_HELD else status is Released.HELD
         if self.token != token or self._lease is None:
             # Lost while the call was in flight, yet kept: give it straight back.
             await _release.release(context, spec, token, self._ttl_ms)
             return True
         self._lease.valid_until = validity(sent_at, self._lease.ttl)
         self._lease.next_due = sent_at + self._lease.ttl / 3
-        self._next_fence = int(reply[1])
+        self._next_fence = reply.fence
         waiter = self._next_waiter()
         if waiter is None:  # it gave up while the call was in flight
             await self._return(token)
@@ -374,6 +374,8 @@ class Cohort:
         """The keeper lost the cohort's lease: its current local holder is told as any
         holder would be, and the waiting tasks go on through Redis."""
         holder, self._holder = self._holder, None
+        if self.token is not None:
+            _release.give_back_lost(self._context, self._spec, self.token, self._ttl_ms)
         self._let_go()
         if holder is not None:
             lock, holding = holder
