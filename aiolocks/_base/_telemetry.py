@@ -29,6 +29,7 @@ __all__ = [
     "LockView",
     "Recorder",
     "LeaseView",
+    "LimitCall",
     "SpecView",
     "describe",
     "observe_acquire",
@@ -105,6 +106,19 @@ class LeaseView(Protocol):
     def keys(self) -> tuple[bytes, ...]: ...
 
 
+class LimitCall:
+    """What a rate limiter's acquire() adds to its report: its limits, (rate, per, burst)
+    each, as used by the call; the limit that set the slot (0-based; None: a slot free at
+    once) and the seconds until that slot (slept for, or refused for)."""
+
+    __slots__ = ("binding", "delay", "limits")
+
+    def __init__(self, limits: tuple[tuple[float, float, int], ...]) -> None:
+        self.limits = limits
+        self.binding: int | None = None
+        self.delay = 0.0
+
+
 class Recorder(Protocol):
     """What `instrument()` installs; every method is called on the event loop."""
 
@@ -112,10 +126,15 @@ class Recorder(Protocol):
         """An acquire() call began; the returned handle comes back to `acquire_ended`."""
 
     def acquire_ended(
-        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
+        self,
+        handle: object,
+        lock: LockView,
+        outcome: str,
+        error: BaseException | None,
+        limit: LimitCall | None,
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
-        task holds `lock`."""
+        task holds `lock` (a rate limiter's: `limit` says what bound the call)."""
 
     def released(self, spec: SpecView, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""
@@ -151,20 +170,29 @@ def observe_acquire(method: F) -> F:
 
 
 async def observe_call(
-    lock: LockView, blocking: bool, timeout: float | None, run: Callable[[], Awaitable[bool]]
+    lock: LockView,
+    blocking: bool,
+    timeout: float | None,
+    run: Callable[[], Awaitable[bool]],
+    limit: LimitCall,
 ) -> bool:
     """Count the outcome of `run()`, an acquisition of `lock` that is not a `LeasedLock`'s
-    (the rate limiter's), and report it as `observe_acquire` does."""
+    (the rate limiter's, which fills in `limit`), and report it as `observe_acquire` does."""
     active = recorder
     if active is not None:
-        return await _observed(active, lambda _l, _b, _t: run(), lock, blocking, timeout)
+        return await _observed(active, lambda _l, _b, _t: run(), lock, blocking, timeout, limit)
     acquired = await run()
     _tally(lock, acquired, blocking, timeout)
     return acquired
 
 
 async def _observed(
-    active: Recorder, call: AcquireCall, lock: LockView, blocking: bool, timeout: float | None
+    active: Recorder,
+    call: AcquireCall,
+    lock: LockView,
+    blocking: bool,
+    timeout: float | None,
+    limit: LimitCall | None = None,
 ) -> bool:
     try:
         handle = active.acquire_started(lock)
@@ -177,9 +205,10 @@ async def _observed(
         acquired = await call(lock, blocking, timeout)
     except BaseException as exc:
         outcome = CANCELLED if isinstance(exc, asyncio.CancelledError) else ERROR
-        _safely(active.acquire_ended, handle, lock, outcome, exc)
+        _safely(active.acquire_ended, handle, lock, outcome, exc, limit)
         raise
-    _safely(active.acquire_ended, handle, lock, _tally(lock, acquired, blocking, timeout), None)
+    outcome = _tally(lock, acquired, blocking, timeout)
+    _safely(active.acquire_ended, handle, lock, outcome, None, limit)
     return acquired
 
 
