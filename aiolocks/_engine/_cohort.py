@@ -374,6 +374,8 @@ class Cohort:
         """The keeper lost the cohort's lease: its current local holder is told as any
         holder would be, and the waiting tasks go on through Redis."""
         holder, self._holder = self._holder, None
+        if self.token is not None:
+            _release.give_back_lost(self._context, self._spec, self.token, self._ttl_ms)
         self._let_go()
         if holder is not None:
             lock, holding = holder

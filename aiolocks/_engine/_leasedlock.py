@@ -44,7 +44,7 @@ from .._leases._keeper import Holding, Lease, LeaseOwner, current_task
 from .._scripts import Script
 from . import _acquire, _release
 from ._cohort import cohort_for, cohort_token, cohorts_of, is_cohort_token
-from ._context import ClientContext, context_for
+from ._context import ClientContext, context_for, open_context
 from ._settings import (
     DEFAULT_REPLICA_TIMEOUT,
     DEFAULT_TTL,
@@ -263,6 +263,17 @@ class LeasedLock(AsyncWithOnly):
 
     def _lost_error(self, holding: Holding) -> LockLost:
         return LockLost(self._name, f"lease lost: {holding.lost_reason}", token=holding.token)
+
+    def _keeper_lost(self, holding: Holding, reason: str) -> None:
+        """The keeper lost `holding`'s lease: its validity ended with Redis unanswering, or
+        another owner holds the name. The holder is told, and the token is given back at
+        once, in the background (`_release.give_back_lost`), not when the task releases."""
+        self._lease_lost(holding, reason)
+        context = open_context(self._client)
+        if context is not None:
+            _release.give_back_lost(
+                context, self._spec, holding.token, self._ttl_ms, holding.give_back
+            )
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
         holding.mark_lost(reason)

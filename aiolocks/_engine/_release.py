@@ -48,6 +48,7 @@ __all__ = [
     "background_release",
     "bounded",
     "completed",
+    "give_back_lost",
     "granted_in",
     "granting",
     "release",
@@ -278,6 +279,22 @@ def background_release(
     again = functools.partial(_retried, call, spec.name, token, bound)
     task.add_done_callback(functools.partial(_cut_short, context, again, after))
     return task
+
+
+def give_back_lost(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
+    """The keeper lost `token`'s lease (its validity ended while Redis did not answer, or
+    another owner holds the name): give the token back now, in the background, as every
+    clean-up (`background_release`). A lease that ran out of validity on this side may
+    still be the token's on the server (a renewal ran there, its reply late): the name
+    would stay owned by a token no task holds, while others wait, until its holder's
+    task released it (as late as it likes) or its ttl ended."""
+    background_release(context, spec, token, ttl_ms, call)
 
 
 def _cut_short(
