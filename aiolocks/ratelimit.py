@@ -352,16 +352,24 @@ class RedisRateLimiter(AsyncWithOnly):
         if not blocking:
             timeout = 0.0
         refused: list[float] = []
+        counters = self._spec.counters
         limit = _telemetry.LimitCall(self._shown)
 
-        async def call() -> bool:
+        async def call(_blocking: bool, _timeout: float | None) -> bool:
             wait = await self._reserve(timeout, cost, limit)
-            if wait is not None:
-                refused.append(wait)
-            return wait is None
+            if wait is None:
+                counters.acquisitions += 1
+                return True
+            refused.append(wait)
+            if timeout != 0:  # one try refused is busy, not a timeout
+                counters.timeouts += 1
+            return False
 
         try:
-            await _telemetry.observe_call(self, blocking, timeout, call, limit)
+            if _telemetry.recorder is not None:
+                await _telemetry.observe(self, blocking, timeout, call, limit)
+            else:
+                await call(blocking, timeout)
         finally:
             if refused and timeout == 0:
                 self._stats[1] += 1
