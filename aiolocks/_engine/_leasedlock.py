@@ -247,7 +247,7 @@ class LeasedLock(AsyncWithOnly):
         if lease is None or lease.lost or holding.is_lost:
             return
         self._stop_renewal(context, holding)
-        lease.lost = True
+        lease.ended()
         assert self._max_hold is not None
         self._lease_lost(
             holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
