@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, final
 
 from ._base import _spec
+from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import REDIS_ERRORS, LockLost, ServerUnavailable, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
@@ -89,10 +90,6 @@ def _validate_value(value: object) -> str:
     if size > MAX_VALUE_BYTES:
         raise ValueError(f"value is too long: {size} bytes in UTF-8, at most {MAX_VALUE_BYTES}")
     return value
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _Candidacy(LeasedLock):
@@ -268,7 +265,7 @@ class RedisElection:
             # clock once it expired) and before any to come (above both: grant_fence).
             return State(None, "", max(int(last), int(clock)), 0, 0.0)
         lease_end = time.monotonic() + max(0, int(pttl)) / 1000
-        return State(_text(token), _text(value or b""), int(term), int(rev), lease_end)
+        return State(text(token), text(value or b""), int(term), int(rev), lease_end)
 
     async def leader(self) -> LeaderInfo | None:
         """Who leads now (asks Redis): None while vacant."""
@@ -284,8 +281,8 @@ class RedisElection:
         held = token is not None and int(pttl) != -2
         return ElectionInfo(
             name=self.name,
-            leader=_text(token) if held else None,
-            value=_text(value or b"") if held else None,
+            leader=text(token) if held else None,
+            value=text(value or b"") if held else None,
             term=int(term) if held else None,
             lease_remaining_ms=max(0, int(pttl)) if held else None,
             candidates=int(queued),

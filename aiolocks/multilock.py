@@ -38,6 +38,12 @@ __all__ = ["RedisMultiLock"]
 _TRY_ALL = load("multi_try")
 
 
+def _fences(reply: list[Any]) -> list[int] | None:
+    """`_TRY_ALL`'s reply decoded: every name's fence, in sorted order, when the token took
+    them all ({1, fences...}); None when it took none ({0})."""
+    return [int(fence) for fence in reply[1:]] if int(reply[0]) == 1 else None
+
+
 class _Taken:
     """The names one acquisition holds so far: their fences and leases."""
 
@@ -216,12 +222,13 @@ class RedisMultiLock(LeasedLock):
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
-        if int(reply[0]) != 1:
+        fences = _fences(reply)
+        if fences is None:
             return []
         if _acquire.late_grant(sent_at, self._ttl_ms):
             taken.unconfirmed = True
             return []
-        grants = [_spec.Grant(token, int(fence), sent_at) for fence in reply[1:]]
+        grants = [_spec.Grant(token, fence, sent_at) for fence in fences]
         for spec, grant in zip(self._specs, grants, strict=True):
             self._took(context, taken, spec, grant)
         return grants

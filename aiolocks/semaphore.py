@@ -177,4 +177,4 @@ class RedisSemaphore(LeasedLock):
             reply = await _release.granting(context, self._spec, _SET_LIMIT, args, retry=True)
         self._limit = limit
         self._spec = replace(self._make_spec(), counters=self._spec.counters)
-        _release.wake_granted(context, self._spec, reply, 1, sent_at)
+        _release.wake_granted(context, self._spec, _release.granted_in(reply, 1), sent_at)

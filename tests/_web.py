@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -11,6 +12,8 @@ from types import ModuleType
 
 import pytest
 import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from aiolocks import RedisMutex
 
@@ -58,3 +61,12 @@ async def is_free(r: redis.asyncio.Redis, name: str) -> bool:
     """Nobody holds the mutex `name` and nobody is queued for it (asks the server)."""
     info = await RedisMutex(r, name).inspect()
     return info.owner is None and info.queue_length == 0
+
+
+def unreachable_client() -> redis.asyncio.Redis:
+    """A client of a loopback port nobody listens on, failing at once (no retries, not
+    after redis-py's back-off)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))

@@ -4,20 +4,28 @@ client on 127.0.0.1 against a real server."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from _web import ONE_SERVER, Gate, is_free, load_example
+from _web import ONE_SERVER, Gate, is_free, load_example, unreachable_client
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import Tasks
 
-from aiolocks import RedisMutex
-from aiolocks.integrations.aiohttp import REDIS, held_lock, lock_middleware, locked
+from aiolocks import RedisMutex, RedisRateLimiter, RedisSemaphore
+from aiolocks.integrations.aiohttp import (
+    REDIS,
+    held_lock,
+    lock_error_middleware,
+    lock_middleware,
+    locked,
+)
 from aiolocks.testing import expire_leases
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -256,3 +264,126 @@ async def test_the_example_app(
         again = await client.post("/orders/42/charge")
         assert await again.json() == {"error": "already_charged", "order": 42}
     assert await is_free(r, "orders:42")
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("how", ["decorator", "middleware"])
+async def test_a_loss_found_at_release_answers_500(
+    r: redis.asyncio.Redis, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease ends between two renewals (a Redis restart, `aiolocks release --force`):
+    only the release finds it, after the handler returned its 200; the client gets
+    `lost_status`, never the 200, and the server logs no traceback."""
+    app = web.Application()
+
+    async def charge(request: web.Request) -> web.Response:
+        held = held_lock(request)
+        assert await expire_leases(RedisMutex(r, held.name)) == 1
+        return web.json_response({"fence": held.fencing_token})
+
+    name = "orders:{order_id}"
+    if how == "decorator":
+        app.router.add_post("/orders/{order_id}", locked(name, client=r, ttl=60)(charge))
+    else:
+        fill = lambda request: f"orders:{request.match_info['order_id']}"  # noqa: E731
+        app.middlewares.append(lock_middleware(fill, client=r, ttl=60))
+        app.router.add_post("/orders/{order_id}", charge)
+    async with http(app) as client:
+        response = await client.post("/orders/8")
+        assert response.status == 500
+        body = await response.json()
+    assert body["error"] == "lock_lost" and body["lock"] == "orders:8"
+    assert "Traceback" not in caplog.text
+    assert await is_free(r, "orders:8")
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("when", ["at release", "while streaming"])
+async def test_a_loss_after_a_streamed_status_cuts_the_body_short(
+    r: redis.asyncio.Redis, when: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler that streams its own response has sent its status when the loss is found:
+    no second response is written into its body (which the client read as garbage); the
+    connection is closed before the body's end, so the client sees an incomplete body."""
+    app = web.Application()
+
+    @locked("exports", client=r, ttl=60 if when == "at release" else 0.3)
+    async def export(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b"row 1\n")
+        assert await expire_leases(RedisMutex(r, "exports")) == 1
+        if when == "while streaming":
+            await asyncio.wait_for(held_lock(request).lost.wait(), 10)
+            await asyncio.sleep(10)  # cancelled at the loss
+        return response
+
+    app.router.add_get("/export", export)
+    async with http(app) as client:
+        response = await client.get("/export")
+        assert response.status == 200  # sent before the loss was known
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    assert "lease on 'exports' was lost" in caplog.text and "Traceback" not in caplog.text
+    assert await is_free(r, "exports")
+
+
+@ONE_SERVER
+async def test_lock_errors_inside_a_handler_answer_as_locked_and_rate_limited_do(
+    r: redis.asyncio.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    down = unreachable_client()
+    app = web.Application(middlewares=[lock_error_middleware])
+
+    async def export(request: web.Request) -> web.Response:
+        async with RedisSemaphore(down, "exports", limit=2):
+            return web.Response(text="exported")
+
+    async def held(request: web.Request) -> web.Response:
+        async with RedisMutex(r, "held", timeout=0.05):
+            return web.Response(text="done")
+
+    async def limited(request: web.Request) -> web.Response:
+        async with RedisRateLimiter(r, "api", rate=1, per=60, burst=1, timeout=0.05):
+            return web.Response(text="let in")
+
+    async def lost(request: web.Request) -> web.Response:
+        async with RedisMutex(r, "lost", ttl=60) as mutex:
+            assert await expire_leases(mutex) == 1
+        return web.Response(text="unreachable")
+
+    async def bug(request: web.Request) -> web.Response:
+        await RedisMutex(r, "never-held").release()
+        return web.Response(text="unreachable")
+
+    for path, handler in [
+        ("/exports", export),
+        ("/held", held),
+        ("/limited", limited),
+        ("/lost", lost),
+        ("/bug", bug),
+    ]:
+        app.router.add_post(path, handler)
+    try:
+        async with RedisMutex(r, "held"), http(app) as client:
+            answers = {path: await client.post(path) for path in ("/exports", "/held")}
+            assert (await client.post("/limited")).status == 200  # the one permit
+            for path in ("/limited", "/lost", "/bug"):
+                answers[path] = await client.post(path)
+            bodies = {path: await answer.text() for path, answer in answers.items()}
+    finally:
+        await down.aclose()
+    statuses = {path: answer.status for path, answer in answers.items()}
+    assert statuses == {"/exports": 503, "/held": 409, "/limited": 429, "/lost": 500, "/bug": 500}
+    errors = {path: json.loads(body)["error"] for path, body in bodies.items() if path != "/bug"}
+    assert errors == {
+        "/exports": "lock_unavailable",
+        "/held": "lock_busy",
+        "/limited": "rate_limited",
+        "/lost": "lock_lost",
+    }
+    assert json.loads(bodies["/exports"])["lock"] == "exports"
+    assert "Retry-After" not in answers["/held"].headers  # a holder may release any moment
+    assert 55 <= int(answers["/limited"].headers["Retry-After"]) <= 60
+    assert "LockNotOwned" in caplog.text  # a bug in the handler stays the server's 500

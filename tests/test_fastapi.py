@@ -6,7 +6,6 @@ and FastAPI resolves their annotations at run time.
 """
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,14 @@ import httpx
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from _web import ONE_SERVER, Gate, is_free, load_example
+from _web import ONE_SERVER, Gate, is_free, load_example, unreachable_client
 from asgi_lifespan import LifespanManager
 from conftest import Tasks
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
-from aiolocks import LockNotOwned, RedisMutex, RedisSemaphore
+from aiolocks import LockNotOwned, RedisMutex, RedisRateLimiter, RedisSemaphore
 from aiolocks.integrations.fastapi import (
     HeldLock,
     TemplateMismatch,
@@ -453,11 +450,7 @@ def test_import_aiolocks_needs_no_web_framework() -> None:
 
 
 async def test_an_unreachable_redis_answers_503() -> None:
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    no_retries = Retry(NoBackoff(), 0)  # fail at once, not after redis-py's back-off
-    client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=no_retries)
+    client = unreachable_client()
     try:
         gate = Gate()
         async with http(orders_app(gate, request_lock("orders:{order_id}", client=client))) as c:
@@ -470,13 +463,10 @@ async def test_an_unreachable_redis_answers_503() -> None:
 
 
 @ONE_SERVER
-async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
+async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_and_limit_do(
     r: redis.asyncio.Redis,
 ) -> None:
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    down = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+    down = unreachable_client()
     app = FastAPI(exception_handlers=lock_error_handlers)
 
     @app.post("/exports")
@@ -494,10 +484,17 @@ async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
         await RedisMutex(r, "never-held").release()
         return "unreachable"
 
+    @app.post("/limited")
+    async def limited() -> str:
+        async with RedisRateLimiter(r, "api", rate=1, per=60, burst=1, timeout=0.05):
+            return "let in"
+
     try:
         async with RedisMutex(r, "held"), http(app) as client:
             unavailable = await client.post("/exports")
             busy = await client.post("/held")
+            assert (await client.post("/limited")).status_code == 200  # the one permit
+            rate_limited = await client.post("/limited")
             with pytest.raises(LockNotOwned):  # a bug in the endpoint stays the server's 500
                 await client.post("/bug")
     finally:
@@ -506,6 +503,12 @@ async def test_lock_errors_inside_an_endpoint_answer_as_request_lock_does(
     assert unavailable.json()["detail"]["error"] == "lock_unavailable"
     assert unavailable.json()["detail"]["lock"] == "exports"
     assert busy.status_code == 409 and busy.json()["detail"]["error"] == "lock_busy"
+    assert "retry-after" not in busy.headers  # a holder may release any moment
+    # a rate limiter's timeout: no slot for ~60 s, said as a 429 with when to come back
+    assert rate_limited.status_code == 429, rate_limited.text
+    assert rate_limited.json()["detail"]["error"] == "rate_limited"
+    assert rate_limited.json()["detail"]["lock"] == "api"
+    assert 55 <= int(rate_limited.headers["retry-after"]) <= 60
 
 
 def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None:
@@ -515,10 +518,7 @@ def test_the_loop_ends_at_once_after_an_unreachable_redis_answered_503() -> None
     the loop's end waited out the clean-up's whole bound (max(5 s, ttl): 29 s here)."""
 
     async def program() -> int:
-        with socket.socket() as sock:  # a loopback port nobody listens on
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        client = redis.asyncio.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+        client = unreachable_client()
         try:
             app = orders_app(Gate(), request_lock("orders:{order_id}", client=client))
             async with http(app) as c:

@@ -45,6 +45,7 @@ __all__ = [
     "socket_transport",
     "ssubscribe",
     "sunsubscribe",
+    "text",
     "unread",
     "writer_of",
 ]
@@ -52,6 +53,13 @@ __all__ = [
 # The execute_command option that keeps bulk replies as bytes on a client made with
 # decode_responses=True (redis.client.NEVER_DECODE; the same word in valkey-py).
 NEVER_DECODE = "NEVER_DECODE"
+
+
+def text(value: bytes | str) -> str:
+    """A bulk string of a reply as str: bytes from the engine's calls (which never decode),
+    str from a user's client made with decode_responses=True. The one such reading."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
 
 # What the engine uses of a socket's transport: writing, its write buffer, and swapping its
 # protocol (direct reads). asyncio's and uvloop's transports both have them.

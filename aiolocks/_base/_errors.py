@@ -85,10 +85,20 @@ class LockError(Exception):
 
 
 class LockTimeout(LockError, TimeoutError):
-    """The primitive could not be acquired before the timeout ran out."""
+    """The primitive could not be acquired before the timeout ran out. From a rate limiter,
+    `retry_after` is the seconds until the next free slot (None from a lock, whose holder
+    may release any time)."""
 
-    def __init__(self, name: str, timeout: float, situation: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        situation: str | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
         self.timeout = timeout
+        self.retry_after = retry_after
         reason = f"not acquired within {timeout:g} s"
         super().__init__(name, reason if situation is None else f"{reason}: {situation}")
 

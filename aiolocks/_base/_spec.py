@@ -1,20 +1,15 @@
 """The vocabulary every layer of the engine shares: what a primitive gives it (`Spec`), its
 scripts' replies, what failures of a call mean, and how an acquisition ends (`Grant`, `Miss`).
 
-Script conventions (see `_scripts/*.lua`):
+Script conventions (see `_scripts/*.lua`; each reply is decoded, once, in the engine module
+that runs the script: `_acquire.AcquireReply`, `_release.ReleaseReply`):
 
 - member = "<token>:<ttl_ms>:<tag>:<kind>", the acquisition's queue entry; tag names the
   caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
   published, as the caller wakes that waiter from the reply.
-- acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args; returns
-  {1, fence, grants...} granted, {0, wait_ms, floor, grants...} queued, {-1, wait_ms,
-  floor, grants...} busy and not queued (wait_ms: until the first lease in the way ends,
-  -1 unknown; floor: the name's fence floor, above every fence handed out before the call
-  and below every later one: a grant of the token at or below it is stale), {-2, value}
-  refused: the stored configuration differs (e.g. a semaphore's limit), nothing changed.
+- acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args.
 - release: KEYS = spec.keys, ARGV = member, channel, *spec.args; withdraws the token
-  whatever state it reached; returns {held, token, fence, ttl, token, fence, ttl, ...}
-  with every grant it made.
+  whatever state it reached, and reports every grant it made.
 - renew: KEYS = spec.renew_keys (the lease key, then the keys kept as long as the lease),
   ARGV = token, ttl_ms; returns 1 while still held.
 - heartbeat: KEYS = spec.heartbeat_keys (the waiters key, then the keys kept as long as a
@@ -38,22 +33,14 @@ from ._errors import (
 )
 
 __all__ = [
-    "BUSY",
-    "GRANTED",
     "LOST_REPLY",
     "PASSING_OUTAGE",
-    "QUEUED",
-    "REFUSED",
     "RETRY_MAX",
     "RETRY_MIN",
     "Grant",
     "Miss",
     "Spec",
-    "first_grant",
 ]
-
-# The acquire script's statuses (the first element of its reply).
-GRANTED, QUEUED, BUSY, REFUSED = 1, 0, -1, -2
 
 # What a server that restarts or fails over answers for a while: a queued waiter waits on,
 # and a clean-up tries again.
@@ -68,12 +55,6 @@ PASSING_OUTAGE = (
 RETRY_MIN, RETRY_MAX = 0.05, 2.0
 # A call cut off by these may or may not have run on the server.
 LOST_REPLY = (*CONNECTION_ERRORS, *TIMEOUT_ERRORS)
-
-
-def first_grant(status: int) -> int:
-    """Where the grants an acquire reply with `status` reports begin (token, fence, ttl
-    triples): after the fence floor of a queued or busy reply."""
-    return 2 if status in (GRANTED, REFUSED) else 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +74,8 @@ class Spec:
     args: tuple[Any, ...] = ()
     # Several holders at once (a semaphore, a read-write lock): a grant ends no lease.
     shared: bool = False
-    # Builds the error for a REFUSED reply (given the stored value); primitives that store
-    # configuration set it.
+    # Builds the error for a refused acquisition (`Status.REFUSED`), given the stored
+    # value; primitives that store configuration set it.
     refused: Callable[[int], Exception] | None = None
     # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
     counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)

@@ -6,8 +6,8 @@ or the clean-up:
 
     start ─(blocking, channel watched here)─> PARK        (else TRY)
     TRY     call the acquire script ('try'; 'wait' once parked: it queues the token)
-            ─granted─> done        ─busy, not blocking─> done (Miss)
-            ─queued/busy─> PARK (not parked yet) or SLEEP
+            ─granted─> done        ─taken, not blocking─> done (Miss)
+            ─queued/taken─> PARK (not parked yet) or SLEEP
             ─Redis unreachable, parked and answered before─> OUTAGE
             ─reconfigured meanwhile (a stale spec refused)─> TRY
     PARK    join the local queue (heartbeats), subscribe to the channel ─> TRY
@@ -28,9 +28,9 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from .._base._errors import (
     AUTHENTICATION_ERRORS,
@@ -40,18 +40,13 @@ from .._base._errors import (
     cancelling,
 )
 from .._base._spec import (
-    BUSY,
-    GRANTED,
     LOST_REPLY,
     PASSING_OUTAGE,
-    QUEUED,
-    REFUSED,
     RETRY_MAX,
     RETRY_MIN,
     Grant,
     Miss,
     Spec,
-    first_grant,
 )
 from .._leases._keeper import validity
 from .._waiting._waitqueue import Waiter, Wake
@@ -59,15 +54,25 @@ from ._context import ClientContext
 from ._release import (
     CLEANUP_BOUND,
     GRACE,
-    answered,
+    Granted,
     background_release,
     bounded,
+    granted_in,
+    settled,
     unstopped,
     wake_granted,
     withdraw,
 )
 
-__all__ = ["TRY_BOUND", "LateGrants", "acquire", "confirm", "late_grant"]
+__all__ = [
+    "TRY_BOUND",
+    "AcquireReply",
+    "LateGrants",
+    "Status",
+    "acquire",
+    "confirm",
+    "late_grant",
+]
 
 # One try (blocking=False) waits for the server at most the client's socket_timeout, or
 # this long when it has none; past it the call raises ServerUnavailable.
@@ -80,6 +85,41 @@ _UNANSWERED: tuple[type[Exception], ...] = (*LOST_REPLY, *INVALID_RESPONSE_ERROR
 _NOT_YET = Miss(unanswered=False)
 
 log = logging.getLogger("aiolocks")
+
+
+class Status(enum.IntEnum):
+    """The acquire script's status (the first element of its reply)."""
+
+    GRANTED = 1  # the token holds it (also when it already did: the script is idempotent)
+    QUEUED = 0  # a 'wait' call: queued behind the leases in the way
+    TAKEN = -1  # held by others, and the token not queued (a 'try' call)
+    REFUSED = -2  # the stored configuration differs (e.g. a semaphore's limit): nothing changed
+
+
+_STATUSES = {status.value: status for status in Status}
+
+
+class AcquireReply(NamedTuple):
+    """Every acquire script's reply, decoded: {GRANTED, fence, grants...}, {QUEUED or TAKEN,
+    wait_ms, floor, grants...}, {REFUSED, stored}; grants: those the call made to others."""
+
+    status: Status
+    fence: int = 0  # GRANTED: the token's fence
+    wait_ms: int = -1  # QUEUED, TAKEN: until the first lease in the way ends (-1 unknown)
+    # QUEUED, TAKEN: the name's fence floor, above every fence handed out before the call
+    # and below every later one (a grant of the token at or below it is stale)
+    floor: int | None = None
+    stored: int = 0  # REFUSED: the stored value the script refused the call's against
+    grants: tuple[Granted, ...] = ()
+
+    @classmethod
+    def decode(cls, reply: Sequence[Any]) -> AcquireReply:
+        status = _STATUSES[int(reply[0])]
+        if status is Status.GRANTED:
+            return cls(status, int(reply[1]), grants=granted_in(reply, 2))
+        if status is Status.REFUSED:
+            return cls(status, stored=int(reply[1]))
+        return cls(status, 0, int(reply[1]), int(reply[2]), grants=granted_in(reply, 3))
 
 
 def acquire(
@@ -137,7 +177,7 @@ class _Acquisition:
     waiter: Waiter | None = None  # parked: its place in the local queue
     subscribed: bool = False  # it holds a reference on the channel's subscription
     on_server: bool = False  # the server may hold state for this token (queued, granted)
-    answered: bool = False  # the server answered it once: an outage is waited out now
+    heard_from: bool = False  # the server answered it once: an outage is waited out now
     unanswered: bool = False  # it ends as Redis left a call unanswered: a short clean-up
     backoff: float = RETRY_MIN  # the next wait while Redis cannot be reached
     miss: Miss = _NOT_YET  # what it ends with if time runs out now
@@ -180,19 +220,19 @@ class _Acquisition:
         try:
             reply = await self.call()
         except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
-            self.on_server = self.answered  # refused before it ran: nothing changed by this call
+            self.on_server = self.heard_from  # refused before it ran: nothing changed by this call
             raise
         except PASSING_OUTAGE as exc:
-            if not self.answered or self.waiter is None or cancelling():
+            if not self.heard_from or self.waiter is None or cancelling():
                 raise  # the first try: the caller learns Redis is unreachable
             # Queued already: a server that restarts or fails over must not end the wait.
             log.debug("aiolocks: re-check of %r failed; retrying", self.spec.name, exc_info=True)
             self.miss = Miss(unanswered=False, wait_ms=self.miss.wait_ms, failure=repr(exc))
             return OUTAGE
-        self.backoff, self.answered = RETRY_MIN, True
+        self.backoff, self.heard_from = RETRY_MIN, True
         if self.written:
             self.sent_at = self.written[0]
-        return self.answer(reply)
+        return self.answer(AcquireReply.decode(reply))
 
     async def call(self) -> list[Any]:
         """One acquire call, awaited until the deadline; a call that may grant or queue the
@@ -218,34 +258,32 @@ class _Acquisition:
         self.in_flight = None
         return reply
 
-    def answer(self, reply: list[Any]) -> _Next:
+    def answer(self, reply: AcquireReply) -> _Next:
         """Where an acquire reply leads: the grants it made (this token's, other local
         waiters'), or whether to park or sleep."""
-        waiter, sent_at = self.waiter, self.sent_at
-        status, value = int(reply[0]), int(reply[1])
-        grants = first_grant(status)
-        if waiter is not None and grants == 3:  # queued, busy: the fence floor first
-            waiter.not_holding(int(reply[2]))  # drops a grant this answer overtook
-        if len(reply) > grants:
-            wake_granted(self.context, self.spec, reply, grants, sent_at)  # maybe local ones
-        if status == GRANTED:
-            return self.granted(value, sent_at)  # late: answered after a stall, re-run
-        if status == REFUSED:
-            return self.refused(value)
-        self.miss = Miss(unanswered=False, wait_ms=value)
+        waiter, sent_at, status = self.waiter, self.sent_at, reply.status
+        if waiter is not None and reply.floor is not None:
+            waiter.not_holding(reply.floor)  # drops a grant this answer overtook
+        wake_granted(self.context, self.spec, reply.grants, sent_at)  # maybe local ones
+        if status is Status.GRANTED:
+            return self.granted(reply.fence, sent_at)  # late: answered after a stall, re-run
+        if status is Status.REFUSED:
+            return self.refused(reply.stored)
+        wait_ms = reply.wait_ms
+        self.miss = Miss(unanswered=False, wait_ms=wait_ms)
         if waiter is not None:
-            if status == QUEUED:
+            if status is Status.QUEUED:
                 waiter.still_queued(sent_at)
             if waiter.fence is not None:
                 return self.granted(waiter.fence, waiter.granted_at)
-        if status == BUSY:
+        if status is Status.TAKEN:
             self.on_server = False
             if not self.blocking:
                 return self.miss
         if waiter is None:
             return PARK
         # Unknown (or a holder key without expiry, not set by us): wait a ttl, not a spin.
-        waiter.lot.note_lease(value if value >= 0 else self.ttl_ms)
+        waiter.lot.note_lease(wait_ms if wait_ms >= 0 else self.ttl_ms)
         return SLEEP
 
     def refused(self, stored: int) -> _Next:
@@ -332,8 +370,16 @@ class _Acquisition:
             until = time.monotonic() + GRACE
         after = None
         if self.in_flight is not None:
-            after = answered(context, spec, self.in_flight, self.sent_at, self.written)
+            after = self.wake_after(self.in_flight)
         await withdraw(context, spec, token, ttl_ms, until, after=after)
+
+    async def wake_after(self, in_flight: asyncio.Future[list[Any]]) -> None:
+        """Wait for the acquire call the departed acquisition left in flight, and wake the
+        local waiters its reply granted."""
+        reply = await settled(in_flight)
+        if reply is not None:
+            sent_at = self.written[0] if self.written else self.sent_at
+            wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)
 
 
 async def _subscribe(context: ClientContext, spec: Spec, deadline: float | None) -> bool:
@@ -402,9 +448,9 @@ class LateGrants:
 
 async def confirm(
     context: ClientContext, spec: Spec, token: str, ttl_ms: int, replicas: int, timeout_ms: int
-) -> tuple[int, int]:
+) -> tuple[Status, int]:
     """Re-run the acquire script for a granted `token` (a write: it re-arms the lease) and
-    `WAIT` on the same connection: (acquire status, replicas that acknowledged).
+    `WAIT` on the same connection: (its status, replicas that acknowledged).
 
     Replication is in order, so a replica that has this write also has the grant before
     it, whichever client made that grant (a hand-off is made by the releaser).
@@ -413,4 +459,4 @@ async def confirm(
     reply, acked = await context.run_then_wait(
         spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
     )
-    return int(reply[0]), int(acked)
+    return AcquireReply.decode(reply).status, int(acked)

@@ -31,7 +31,7 @@ from .._base._spec import Grant, Spec
 from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner
 from . import _release
 from ._context import ClientContext
-from ._release import Unanswered
+from ._release import Released, Unanswered
 
 __all__ = [
     "CHAIN_LIMIT",
@@ -333,13 +333,13 @@ class Cohort:
                 context, spec, token, self._ttl_ms, "keep", sent=written.append
             )
             sent_at = written[0] if written else sent_at
-            status = int(reply[0])
-            if status == 2:
-                kept.append((sent_at, int(reply[1])))
+            status = reply.status
+            if status is Released.KEPT:
+                kept.append((sent_at, reply.fence))
                 return True
-            _release.wake_granted(context, spec, reply, 1, sent_at)
-            _telemetry.on_handoff(releaser, (len(reply) - 1) // 3)
-            return None if unsure and status == 0 else status == 1
+            _release.wake_granted(context, spec, reply.grants, sent_at)
+            _telemetry.on_handoff(releaser, len(reply.grants))
+            return None if unsure and status is Released.NOT_HELD else status is Released.HELD
 
         try:
             answer = await _release.release_until(

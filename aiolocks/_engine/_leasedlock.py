@@ -356,7 +356,7 @@ class LeasedLock(AsyncWithOnly):
         try:
             with map_redis_errors(self._name):
                 status, acked = await asyncio.shield(in_flight)
-            if status != _spec.GRANTED:
+            if status is not _acquire.Status.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
                 )

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import enum
 import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from .._base import _telemetry
+from .._base._adapter import text
 from .._base._errors import AUTHENTICATION_ERRORS, cancelling
-from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec, first_grant
+from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec
 from .._leases._keeper import Lease
 from .._scripts import Script
 from ._context import ClientContext
@@ -38,12 +40,15 @@ __all__ = [
     "CLEANUP_BOUND",
     "GRACE",
     "UNANSWERED",
+    "Granted",
+    "ReleaseReply",
+    "Released",
     "Unanswered",
-    "answered",
     "answered_by",
     "background_release",
     "bounded",
     "completed",
+    "granted_in",
     "granting",
     "release",
     "release_reply",
@@ -61,6 +66,54 @@ T = TypeVar("T")
 log = logging.getLogger("aiolocks")
 
 
+# -- the replies of the scripts that grant, decoded once --------------------------------
+
+
+class Granted(NamedTuple):
+    """A grant a script made (a hand-off, a permit): to which token, its fence, its ttl."""
+
+    token: str
+    fence: int
+    ttl_ms: int
+
+
+def granted_in(reply: Sequence[Any], start: int) -> tuple[Granted, ...]:
+    """The grants a script reports from `reply[start]` on (token, fence, ttl triples): the
+    one reading of them, for every script that grants (acquire, release, set_limit)."""
+    if len(reply) <= start:
+        return ()
+    return tuple(
+        Granted(text(reply[at]), int(reply[at + 1]), int(reply[at + 2]))
+        for at in range(start, len(reply) - 2, 3)
+    )
+
+
+class Released(enum.IntEnum):
+    """The release script's status (the first element of its reply)."""
+
+    NOT_HELD = 0  # the token did not hold it (any queue entry of it is withdrawn now)
+    HELD = 1  # it held it: released
+    KEPT = 2  # 'keep' (a local hand-off cohort), nobody queued: still held, a new fence block
+
+
+_RELEASED = {status.value: status for status in Released}
+
+
+class ReleaseReply(NamedTuple):
+    """The release script's reply: {status, grants...}, or {KEPT, fence}."""
+
+    status: Released
+    grants: tuple[Granted, ...] = ()
+    fence: int = 0  # KEPT: the first fence of the block the holder keeps passing from
+
+    @classmethod
+    def decode(cls, reply: Sequence[Any]) -> ReleaseReply:
+        status = _RELEASED[int(reply[0])]
+        if status is Released.KEPT:
+            return cls(status, (), int(reply[1]))
+        return cls(status, granted_in(reply, 1))
+
+
 async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
     """Run the release script for `token`; True if it held the primitive, False if not.
 
@@ -73,9 +126,9 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     sent_at = time.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
-    wake_granted(context, spec, reply, 1, written[0] if written else sent_at)
-    _telemetry.on_handoff(spec, (len(reply) - 1) // 3)
-    held = int(reply[0]) == 1
+    wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
+    _telemetry.on_handoff(spec, len(reply.grants))
+    held = reply.status is Released.HELD
     return None if unsure and not held else held
 
 
@@ -96,7 +149,7 @@ async def release_reply(
     ttl_ms: int,
     *extra: Any,
     sent: Callable[[float], None] | None = None,
-) -> tuple[list[Any], bool]:
+) -> tuple[ReleaseReply, bool]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
     once more after a connection error; returns its reply, and whether a first call was cut
     off (it may have done the work, and the reply is then the retry's). `sent`: as for
@@ -104,7 +157,8 @@ async def release_reply(
     """
     member = context.waitqueue.member(token, ttl_ms, spec.kind)
     args = (member, spec.channel, *spec.args, *extra)
-    return await _granting(context, spec, spec.release, args, True, sent)
+    reply, unsure = await _granting(context, spec, spec.release, args, True, sent)
+    return ReleaseReply.decode(reply), unsure
 
 
 async def granting(
@@ -149,23 +203,19 @@ async def _granting(
 
 
 def wake_granted(
-    context: ClientContext, spec: Spec, reply: list[Any], start: int, sent_at: float
+    context: ClientContext, spec: Spec, grants: tuple[Granted, ...], sent_at: float
 ) -> None:
-    """Wake the local waiters among the grants a script reported (token, fence, ttl triples
-    from `reply[start]` on); the others are told by pub/sub. `sent_at`: when the script call
-    was sent, a moment that precedes its grants."""
+    """Wake the local waiters among the `grants` a script reported; the others are told by
+    pub/sub. `sent_at`: when the script call was sent, a moment that precedes its grants."""
+    if not grants:
+        return
     lot = context.waitqueue.lot(spec.channel)
-    for at in range(start, len(reply) - 2, 3):
-        token, fence = _text(reply[at]), int(reply[at + 1])
+    for token, fence, ttl_ms in grants:
         if context.waitqueue.stale(token, fence):
             continue  # ended since: a later answer found the token not holding
         if lot is not None:
-            lot.note_lease(int(reply[at + 2]), grant=True)
+            lot.note_lease(ttl_ms, grant=True)
         context.waitqueue.unpark(token, fence, sent_at, spec.channel)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 # -- clean-up that outlives its caller --------------------------------------------------
@@ -287,23 +337,6 @@ async def _retried(
                 return
         await asyncio.sleep(delay)  # an outage back-off, as a queued waiter's re-check
         delay = min(delay * 2, RETRY_MAX)
-
-
-async def answered(
-    context: ClientContext,
-    spec: Spec,
-    in_flight: asyncio.Future[Any],
-    sent_at: float,
-    written: list[float],
-) -> None:
-    """Wait for the acquire call a departed acquisition left in flight, and wake the local
-    waiters its reply granted (`written`: when the call went out, if it was told)."""
-    reply = await settled(in_flight)
-    if reply is None:
-        return
-    grants = first_grant(int(reply[0]))
-    if len(reply) > grants:
-        wake_granted(context, spec, reply, grants, written[0] if written else sent_at)
 
 
 async def release_surely(

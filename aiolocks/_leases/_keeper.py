@@ -36,6 +36,7 @@ import redis.exceptions
 from redis.crc import key_slot
 
 from .._base import _telemetry
+from .._base._adapter import text
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import REDIS_ERRORS, cancelling
 from .._scripts import Script
@@ -480,7 +481,7 @@ def read_replies(calls: list[Call], replies: list[Any]) -> Outcomes:
         for index in range(0, len(reply), 2):
             target, result = call.targets[int(reply[index]) - 1], reply[index + 1]
             if isinstance(result, bytes | str):  # that entry raised an error
-                result = redis.exceptions.ResponseError(_text(result))
+                result = redis.exceptions.ResponseError(text(result))
             if isinstance(target, Lease):
                 outcomes.leases[target] = result if isinstance(result, Exception) else 0
             elif isinstance(result, Exception):
@@ -495,10 +496,6 @@ def read_replies(calls: list[Call], replies: list[Any]) -> Outcomes:
                 if waiter not in gone:
                     outcomes.queued.append(waiter)  # not granted when the heartbeat ran
     return outcomes
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _read_outcome(call: asyncio.Future[Any]) -> None:

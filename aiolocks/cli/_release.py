@@ -10,12 +10,12 @@ old holder learns it at its next renewal (within a third of its ttl) or its rele
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import redis.asyncio
 
 from .._base._spec import Spec
 from .._engine._context import context_for
+from .._engine._release import Released, ReleaseReply
 from ..election import RedisElection
 from ..mutex import RedisMutex
 from ..rwlock import RedisReadWriteLock
@@ -104,11 +104,11 @@ async def _release(client: redis.asyncio.Redis, view: View, holder: Holder, io: 
     context = context_for(client)
     member = context.waitqueue.member(holder.token, 1, spec.kind)
     # No retry: run twice, the script would find the next holder and say "not held".
-    reply: list[Any] = await context.run(
-        spec.release, spec.keys, (member, spec.channel, *spec.args), retry=False
+    reply = ReleaseReply.decode(
+        await context.run(spec.release, spec.keys, (member, spec.channel, *spec.args), retry=False)
     )
     role = "held by" if view.kind == "mutex" else _ROLES[holder.side]
-    released = int(reply[0]) == 1
+    released = reply.status is Released.HELD
     if released:
         its = "" if holder.fence is None else f" (fence {holder.fence})"
         io.say(f"released {view.kind} {view.name!r} {role} {holder.token}{its}")
@@ -117,13 +117,8 @@ async def _release(client: redis.asyncio.Redis, view: View, holder: Holder, io: 
             f"not released: {holder.token} no longer holds {view.kind} {view.name!r} "
             "(released, expired or replaced since it was shown)"
         )
-    grants = [(_text(reply[at]), int(reply[at + 1])) for at in range(1, len(reply) - 2, 3)]
-    for token, fence in grants:
+    for token, fence, _ in reply.grants:
         io.say(f"  handed to {token} (fence {fence}), announced to its waiter")
-    if released and not grants:
+    if released and not reply.grants:
         io.say("  nobody was waiting to take it")
     return released
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis.asyncio
 
+from .._base._adapter import text
 from .._base._keys import KeySpace
 from ..election import ElectionInfo, RedisElection
 from ..mutex import MutexInfo, RedisMutex
@@ -200,7 +201,7 @@ async def view_of(client: redis.asyncio.Redis, kind: str, name: str, prefix: str
         holders = _leases(rest[0], rest[1], now, "x")
     elif kind == "election":
         holders = _leader(rest[0], rest[1])
-        values = {_text(token): _text(value) for token, value in rest[2].items()}
+        values = {text(token): text(value) for token, value in rest[2].items()}
         queue = tuple(dataclasses.replace(w, value=values.get(w.token)) for w in queue)
     else:
         holders = _owner(rest[0], rest[1], rest[2], "w") + _leases(rest[3], rest[4], now, "r")
@@ -212,18 +213,14 @@ def _ms(clock: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
 def _owner(token: Any, pttl: Any, fence: Any, side: str) -> tuple[Holder, ...]:
     if token is None:
         return ()
-    return (Holder(_text(token), side, int(fence or 0), max(0, int(pttl))),)
+    return (Holder(text(token), side, int(fence or 0), max(0, int(pttl))),)
 
 
 def _leader(fields: dict[Any, Any], pttl: Any) -> tuple[Holder, ...]:
-    leader = {_text(key): _text(value) for key, value in fields.items()}
+    leader = {text(key): text(value) for key, value in fields.items()}
     if "token" not in leader:
         return ()
     fence = int(leader.get("fence", 0))
@@ -231,9 +228,9 @@ def _leader(fields: dict[Any, Any], pttl: Any) -> tuple[Holder, ...]:
 
 
 def _leases(deadlines: Any, fences: Any, now: int, side: str) -> tuple[Holder, ...]:
-    by_token = {_text(token): int(fence) for token, fence in dict(fences).items()}
+    by_token = {text(token): int(fence) for token, fence in dict(fences).items()}
     holders = [
-        Holder(_text(token), side, by_token.get(_text(token)), int(deadline) - now)
+        Holder(text(token), side, by_token.get(text(token)), int(deadline) - now)
         for token, deadline in deadlines
     ]
     return tuple(sorted(holders, key=lambda holder: holder.fence or 0))  # oldest grant first
@@ -242,9 +239,9 @@ def _leases(deadlines: Any, fences: Any, now: int, side: str) -> tuple[Holder, .
 def _queue(members: list[Any], deadlines: dict[Any, float], now: int) -> tuple[Waiter, ...]:
     waiters = []
     for position, member in enumerate(members, 1):
-        fields = _text(member).split(":", 3)
+        fields = text(member).split(":", 3)
         if len(fields) != 4 or not fields[1].isdigit():
-            fields = [_text(member), "0", "", "?"]  # not written by aiolocks: show it as is
+            fields = [text(member), "0", "", "?"]  # not written by aiolocks: show it as is
         token, ttl, tag, side = fields
         deadline = deadlines.get(member)
         ttl_ms = int(ttl)

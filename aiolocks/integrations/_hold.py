@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import string
 from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ __all__ = [
     "Refusal",
     "TemplateMismatch",
     "refusal_for",
+    "retry_after",
     "status_code",
 ]
 
@@ -66,12 +68,24 @@ class Refusal(Exception):
         self.headers = headers
 
 
+def retry_after(wait: float) -> dict[str, str]:
+    """The headers of a refusal whose next chance is `wait` seconds away: `Retry-After`
+    in whole seconds, rounded up (at least 1)."""
+    return {"Retry-After": str(max(1, math.ceil(wait)))}
+
+
 def refusal_for(error: LockError) -> Refusal | None:
     """The answer for an aiolocks error raised by code inside a handler (a semaphore, a
-    limiter, a lock used by hand), or None for a bug in that code (`LockNotOwned`...)."""
+    limiter, a lock used by hand), or None for a bug in that code (`LockNotOwned`...).
+    A timeout is told apart by `retry_after`: a rate limiter's is 429 with `Retry-After`
+    (no slot before then), a lock's 409 (its holder may release any moment)."""
     if isinstance(error, (ServerUnavailable, AccessDenied)):
         return Refusal(503, "lock_unavailable", error.name, str(error))
     if isinstance(error, LockTimeout):
+        if error.retry_after is not None:  # a rate limiter's: its next slot is that far
+            return Refusal(
+                429, "rate_limited", error.name, str(error), retry_after(error.retry_after)
+            )
         return Refusal(409, "lock_busy", error.name, str(error))
     if isinstance(error, LockLost):
         return Refusal(500, "lock_lost", error.name, str(error))

@@ -14,7 +14,6 @@ needs its own names, e.g. the tenant in the name).
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from .._base._errors import AccessDenied, LimitMismatch, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import validate_timeout
 from ..ratelimit import MAX_BURST, Limit, RedisRateLimiter, validate_cost, validate_limits
-from ._hold import Refusal, status_code
+from ._hold import Refusal, retry_after, status_code
 
 __all__ = ["LimitOptions", "LimitPolicy", "Limits", "LimitsFunction", "Permit"]
 
@@ -113,14 +112,12 @@ class LimitPolicy:
         except LimitMismatch as exc:
             raise Refusal(500, "limit_mismatch", name, str(exc)) from exc
         if wait is not None:
-            retry_after = max(1, math.ceil(wait))
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
             allows = " and ".join(
                 f"{limit.rate:g} requests per {limit.per:g} s" for limit in limiter.limits
             )
             message = f"{name!r} allows {allows}; no slot free{waited}: the next is in {wait:.3f} s"
-            headers = {"Retry-After": str(retry_after)}
-            raise Refusal(self.busy_status, "rate_limited", name, message, headers)
+            raise Refusal(self.busy_status, "rate_limited", name, message, retry_after(wait))
         yield Permit(name, self.cost, limiter)
 
 

@@ -22,6 +22,7 @@ This module imports aiohttp: install the `aiohttp` extra.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Unpack, cast
@@ -30,7 +31,16 @@ import redis.asyncio
 from aiohttp import web
 
 from .._base._clients import AnyRedis, ensure_async_client
-from ._hold import HeldLock, LockOptions, LockPolicy, NameTemplate, Refusal, TemplateMismatch
+from .._base._errors import LockError
+from ._hold import (
+    HeldLock,
+    LockOptions,
+    LockPolicy,
+    NameTemplate,
+    Refusal,
+    TemplateMismatch,
+    refusal_for,
+)
 from ._limit import LimitOptions, LimitPolicy, Permit
 
 __all__ = [
@@ -40,11 +50,14 @@ __all__ = [
     "TemplateMismatch",
     "held_lock",
     "limit_middleware",
+    "lock_error_middleware",
     "lock_middleware",
     "locked",
     "permit",
     "rate_limited",
 ]
+
+log = logging.getLogger("aiolocks")
 
 REDIS = web.AppKey("aiolocks_redis", redis.asyncio.Redis)
 """Where the integration finds the Redis client: `app[REDIS]` (parent apps included)."""
@@ -98,8 +111,21 @@ class _Locker:
                 request[self.key] = held
                 return await handler(request)
         except Refusal as refusal:
-            return web.json_response(refusal.body, status=refusal.status, headers=refusal.headers)
+            return _answer(request, refusal)
         raise AssertionError("unreachable: a lease loss always ends in a Refusal")
+
+
+def _answer(request: web.Request, refusal: Refusal) -> web.StreamResponse:
+    """The refusal's JSON answer; or, when the handler streamed a response of its own and
+    bytes of it went out (so its status too), the connection closed before the body's end:
+    a second response written there would be read as the first one's body."""
+    answer = web.json_response(refusal.body, status=refusal.status, headers=refusal.headers)
+    if request.writer.output_size > 0:
+        log.warning("aiolocks: %s; its response had started: connection closed", refusal)
+        if request.transport is not None:
+            request.transport.close()
+        # aiohttp's writing of `answer` then meets the closed connection: no traceback.
+    return answer
 
 
 def locked(
@@ -204,6 +230,24 @@ def _middleware(locker: _Locker) -> Any:
         return await locker.run(request, handler)
 
     return aiolocks_middleware
+
+
+@web.middleware
+async def lock_error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer aiolocks' errors raised by code inside a handler (a semaphore, a rate limiter,
+    a lock used by hand) as `locked` and `rate_limited` answer theirs, with the same JSON
+    bodies: `ServerUnavailable` and `AccessDenied` 503 `lock_unavailable`, a
+    `RedisRateLimiter`'s `LockTimeout` 429 `rate_limited` with `Retry-After`, a lock's
+    `LockTimeout` 409 `lock_busy`, `LockLost` 500 `lock_lost`; the others (`LockNotOwned`...)
+    are bugs in the handler and stay the server's 500.
+    `web.Application(middlewares=[lock_error_middleware])`."""
+    try:
+        return await handler(request)
+    except LockError as error:
+        refusal = refusal_for(error)
+        if refusal is None:
+            raise
+        return _answer(request, refusal)
 
 
 def held_lock(request: web.Request) -> HeldLock:

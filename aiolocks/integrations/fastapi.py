@@ -219,13 +219,14 @@ async def _answer_lock_error(request: Request, error: Exception) -> Response:
     refusal = refusal_for(error) if isinstance(error, LockError) else None
     if refusal is None:  # a bug in the endpoint (LockNotOwned...): the server's 500
         raise error
-    return JSONResponse({"detail": refusal.body}, refusal.status)
+    return JSONResponse({"detail": refusal.body}, refusal.status, refusal.headers)
 
 
 # aiolocks' errors raised by code inside an endpoint (a semaphore, a rate limiter, a lock
-# used by hand), answered as `request_lock` answers them: `ServerUnavailable` and
-# `AccessDenied` 503 `lock_unavailable`, `LockTimeout` 409 `lock_busy`, `LockLost` 500
-# `lock_lost`. `FastAPI(exception_handlers=lock_error_handlers)`.
+# used by hand), answered as `request_lock` and `request_limit` answer them:
+# `ServerUnavailable` and `AccessDenied` 503 `lock_unavailable`, a rate limiter's
+# `LockTimeout` 429 `rate_limited` with `Retry-After`, a lock's `LockTimeout` 409
+# `lock_busy`, `LockLost` 500 `lock_lost`. `FastAPI(exception_handlers=lock_error_handlers)`.
 lock_error_handlers: dict[
     int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
 ] = {LockError: _answer_lock_error}
