@@ -65,6 +65,8 @@ R = TypeVar("R")
 
 # Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
+# An acquisition that waited for its process's other tasks only (`local_handoff`).
+_LOCAL_MISS = _spec.Miss(unanswered=False, local=True)
 _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
@@ -306,7 +308,10 @@ class LeasedLock(AsyncWithOnly):
         try:
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
-                return await cohort.acquire(self, task, blocking, deadline)
+                got = await cohort.acquire(self, task, blocking, deadline)
+                if not got and _last_miss.get() is None:  # (no call to Redis told why)
+                    _last_miss.set(_LOCAL_MISS)
+                return got
             grant = await self._acquire_grant(context, 0, blocking, deadline)
         finally:
             self._waiting -= 1
