@@ -29,6 +29,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
+from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
 
@@ -210,8 +211,9 @@ async def test_tls_with_test_certificates(
             await close_client(client)
 
 
+@pytest.mark.parametrize("local_handoff", [None, 0], ids=["default", "strict-fifo"])
 async def test_tokens_are_128_random_bits_from_secrets(
-    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, local_handoff: int | None
 ) -> None:
     asked: list[int] = []
     made: list[str] = []
@@ -226,11 +228,13 @@ async def test_tokens_are_128_random_bits_from_secrets(
     monkeypatch.setattr(
         aiolocks._engine._leasedlock, "secrets", SimpleNamespace(token_hex=token_hex)
     )
-    mutex = RedisMutex(r, "tokens")
+    mutex = RedisMutex(r, "tokens", local_handoff=local_handoff)
+    # A local hand-off cohort's token says how many fences each grant reserves.
+    suffix = "" if local_handoff == 0 else f"+{DEFAULT_LOCAL_HANDOFF + 1}"
     for _ in range(200):
         assert await mutex.acquire()
         owner = await r.get(mutex._spec.keys[0])
-        assert owner == made[-1].encode()
+        assert owner == (made[-1] + suffix).encode()
         await mutex.release()
     assert set(asked) == {16}  # 16 bytes = 128 bits
     assert all(re.fullmatch(r"[0-9a-f]{32}", token) for token in made)
