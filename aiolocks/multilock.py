@@ -205,20 +205,14 @@ class RedisMultiLock(LeasedLock):
             with map_redis_errors(self._name):
                 return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
 
-        pending = call()
-        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _release.InFlight(call(), context)
         try:
-            shielded = pending if in_flight is None else asyncio.shield(in_flight)
-            if deadline is None:
-                reply = await shielded
-            else:
-                reply = await asyncio.wait_for(shielded, max(0.0, deadline - sent_at))
+            reply = await in_flight.reply(deadline)
         except BaseException as exc:
             # The script may have run: give back whatever the token may hold (after its
             # reply), awaited up to the deadline (a little past it), then in the background.
             taken.unconfirmed = True
-            after = None if in_flight is None else _release.settled(in_flight)
-            await self._give_back(context, token, taken, deadline, after)
+            await self._give_back(context, token, taken, deadline, in_flight.after())
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise

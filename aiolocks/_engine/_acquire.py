@@ -23,7 +23,6 @@ and, if the server may hold state for the token, withdraws it (`_release.withdra
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import functools
 import logging
@@ -55,11 +54,10 @@ from ._release import (
     CLEANUP_BOUND,
     GRACE,
     Granted,
+    InFlight,
     background_release,
     bounded,
     granted_in,
-    settled,
-    unstopped,
     wake_granted,
     withdraw,
 )
@@ -182,10 +180,10 @@ class _Acquisition:
     backoff: float = RETRY_MIN  # the next wait while Redis cannot be reached
     miss: Miss = _NOT_YET  # what it ends with if time runs out now
     # Its last acquire call: when it was made, when it went out (behind a burst: later)
-    # and, while unanswered, the task that carries it on (`unstopped`).
+    # and, while unanswered, the call itself (`InFlight`).
     sent_at: float = 0.0
     written: list[float] = field(default_factory=list)
-    in_flight: asyncio.Future[Any] | None = None
+    in_flight: InFlight[list[Any]] | None = None
 
     async def run(self) -> Grant | Miss:
         """The state diagram of the module docstring, then `leave`."""
@@ -236,7 +234,7 @@ class _Acquisition:
 
     async def call(self) -> list[Any]:
         """One acquire call, awaited until the deadline; a call that may grant or queue the
-        token is left to finish if the caller leaves (`unstopped`)."""
+        token is left to finish if the caller leaves (`InFlight`)."""
         context, spec, waiter = self.context, self.spec, self.waiter
         self.sent_at = time.monotonic()
         if waiter is not None and waiter.queued_at == 0.0:
@@ -251,10 +249,8 @@ class _Acquisition:
             (self.member, mode, spec.channel, *spec.args),
             sent=written.append,
         )
-        self.in_flight = unstopped(context, pending)
-        reply: list[Any] = await bounded(
-            pending if self.in_flight is None else asyncio.shield(self.in_flight), self.deadline
-        )
+        in_flight = self.in_flight = InFlight(pending, context)
+        reply: list[Any] = await in_flight.reply(self.deadline)
         self.in_flight = None
         return reply
 
@@ -368,18 +364,13 @@ class _Acquisition:
         until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
         if self.unanswered:
             until = time.monotonic() + GRACE
-        after = None
-        if self.in_flight is not None:
-            after = self.wake_after(self.in_flight)
+        after = None if self.in_flight is None else self.in_flight.after(self.wake_granted)
         await withdraw(context, spec, token, ttl_ms, until, after=after)
 
-    async def wake_after(self, in_flight: asyncio.Future[list[Any]]) -> None:
-        """Wait for the acquire call the departed acquisition left in flight, and wake the
-        local waiters its reply granted."""
-        reply = await settled(in_flight)
-        if reply is not None:
-            sent_at = self.written[0] if self.written else self.sent_at
-            wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)
+    def wake_granted(self, reply: list[Any]) -> None:
+        """The local waiters granted by the reply of the call the acquisition left in flight."""
+        sent_at = self.written[0] if self.written else self.sent_at
+        wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)
 
 
 async def _subscribe(context: ClientContext, spec: Spec, deadline: float | None) -> bool:

@@ -348,14 +348,13 @@ class LeasedLock(AsyncWithOnly):
         spec, ttl_ms, replicas = self._spec, self._ttl_ms, self._replicas
         # The acquire script again (it may grant the token anew), on a pooled connection of its
         # own even with auto-pipelining: in a task that leaving does not stop, and the give-back
-        # is sent after its reply (`_release.unstopped`).
-        confirming = _acquire.confirm(
-            context, spec, grant.token, ttl_ms, replicas, self._replica_timeout_ms
+        # is sent after its reply (`_release.InFlight`).
+        in_flight = _release.InFlight(
+            _acquire.confirm(context, spec, grant.token, ttl_ms, replicas, self._replica_timeout_ms)
         )
-        in_flight = asyncio.ensure_future(confirming)
         try:
             with map_redis_errors(self._name):
-                status, acked = await asyncio.shield(in_flight)
+                status, acked = await in_flight.reply()
             if status is not _acquire.Status.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
@@ -375,7 +374,7 @@ class LeasedLock(AsyncWithOnly):
         except BaseException:
             if not given_back:
                 await _release.withdraw(
-                    context, spec, grant.token, ttl_ms, None, after=_release.settled(in_flight)
+                    context, spec, grant.token, ttl_ms, None, after=in_flight.after()
                 )
             raise
 
@@ -519,19 +518,19 @@ class LeasedLock(AsyncWithOnly):
         token = secrets.token_hex(16)
         script, keys = self._adopt_call()
         sent_at = time.monotonic()
-        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
-        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _release.InFlight(
+            context.run(script, keys, (handle.token, token, self._ttl_ms)), context
+        )
         try:
             with map_redis_errors(self._name):
-                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
+                taken = await in_flight.reply()
         except BaseException:
             # The script may have run: give back what the new token may hold (after its
             # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
             # background.
             release = functools.partial(self._release_call, context, token)
-            after = None if in_flight is None else _release.settled(in_flight)
             await _release.withdraw(
-                context, self._spec, token, self._ttl_ms, None, release, after=after
+                context, self._spec, token, self._ttl_ms, None, release, after=in_flight.after()
             )
             raise
         if not int(taken):

@@ -12,8 +12,8 @@ One module decides what is retried, how often and for how long (`RETRY_POLICY` b
   failed acquisition, an interrupted release): a task of its own, awaited up to a bound,
   then retried in the background while Redis cannot be reached, until the server forgets
   the token by itself (its ttl).
-- the awaiting helpers (`completed`, `unstopped`, `settled`, `bounded`, `shielded`,
-  `answered_by`): a call whose reply a cancellation or a deadline must not cut short.
+- the awaiting helpers (`InFlight`, `completed`, `bounded`, `shielded`, `answered_by`): a
+  call whose reply a cancellation or a deadline must not cut short.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from .._base import _telemetry
 from .._base._adapter import text
@@ -41,6 +41,7 @@ __all__ = [
     "GRACE",
     "UNANSWERED",
     "Granted",
+    "InFlight",
     "ReleaseReply",
     "Released",
     "Unanswered",
@@ -54,9 +55,7 @@ __all__ = [
     "release_reply",
     "release_surely",
     "release_until",
-    "settled",
     "shielded",
-    "unstopped",
     "wake_granted",
     "withdraw",
 ]
@@ -249,7 +248,7 @@ async def withdraw(
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
     ttl the server has forgotten the token by itself), and a failure is logged. `after`:
     awaited first, in that task, for at most as long (the reply of the token's own call in
-    flight, see `answered`; past it, that call is abandoned and the release sent)."""
+    flight, see `InFlight.after`; past it, that call is abandoned and the release sent)."""
     task = background_release(context, spec, token, ttl_ms, call, after)
     wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
     if not task.done():
@@ -453,26 +452,56 @@ class Unanswered:
 UNANSWERED = Unanswered()
 
 
-def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
-    """`call` (a script call that may grant or queue a token) in a task of its own, to await
-    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
-    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
-    Only where the clean-up would not follow it on one connection (auto-pipelining off,
-    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
-    nothing, and the call then grant or queue the departed token for its ttl). None through
-    the auto-pipeline: `call` is awaited as it is."""
-    if context.autopipe is not None:
-        return None
-    return asyncio.ensure_future(call)
+class InFlight(Generic[T]):
+    """A call that may take or grant something for a token (an acquire, an adoption, a
+    multi-lock's try, a replica-confirmed grant, a rate limiter's reservation), whose reply
+    a caller that leaves (a cancellation, a deadline, an error) must not lose: leaving stops
+    the wait, not the call, and the caller's clean-up runs after its reply (`after`), never
+    before it, so it cannot overtake the call and find nothing while the call then takes
+    for a departed token. The one mechanism for that.
 
+    With `context`, the call is carried in a task of its own only where a clean-up would not
+    follow it on one connection (auto-pipelining off, Cluster: each call on a pooled
+    connection); through the auto-pipeline it is awaited as it is (one connection keeps the
+    clean-up behind it). Without `context`, always in a task of its own (a call on a
+    connection of its own, or one whose reply the clean-up needs)."""
 
-async def settled(in_flight: asyncio.Future[T]) -> T | None:
-    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
-    lost reply: the clean-up sent next withdraws whatever it did)."""
-    try:
-        return await in_flight
-    except Exception:
-        return None
+    __slots__ = ("_call", "_task")
+
+    def __init__(self, call: Awaitable[T], context: ClientContext | None = None) -> None:
+        self._call: Awaitable[T] | None = None
+        self._task: asyncio.Future[T] | None = None
+        if context is not None and context.autopipe is not None:
+            self._call = call
+        else:
+            self._task = asyncio.ensure_future(call)
+
+    def reply(self, deadline: float | None = None) -> Awaitable[T]:
+        """The call's reply, awaited until the monotonic time `deadline` at most (`bounded`)."""
+        if self._task is None:
+            assert self._call is not None
+            return bounded(self._call, deadline)
+        return bounded(asyncio.shield(self._task), deadline)
+
+    async def outcome(self) -> T | None:
+        """The reply once it came, for a caller that left; None if the call failed (a lost
+        reply: the clean-up sent next undoes whatever it did) or was not carried on."""
+        if self._task is None:
+            return None
+        try:
+            return await self._task
+        except Exception:
+            return None
+
+    def after(self, then: Callable[[T], object] | None = None) -> Awaitable[None] | None:
+        """What a clean-up awaits first (`withdraw`'s `after`): the reply (then `then(reply)`,
+        if it came); None when the call was not carried on (nothing to wait for)."""
+        return None if self._task is None else self._after(then)
+
+    async def _after(self, then: Callable[[T], object] | None) -> None:
+        reply = await self.outcome()
+        if reply is not None and then is not None:
+            then(reply)
 
 
 def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
