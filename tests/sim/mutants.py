@@ -109,8 +109,8 @@ MUTANTS = [
     Mutant(
         "rw-writer-beside-reader",
         "aiolocks/_scripts/_rwlock.lua",
-        "        and redis.call('ZCARD', k.readers) > 0 then",
-        "        and redis.call('ZCARD', k.readers) > 1 then",
+        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)",
+        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 1)",
         "an RW writer is let in beside a single reader",
     ),
     Mutant(
@@ -130,8 +130,8 @@ MUTANTS = [
     Mutant(
         "release-skips-purge",
         "aiolocks/_scripts/_prelude.lua",
-        "      if tonumber(deadline) >= now then\n        return head",
-        "      if true then\n        return head",
+        "    local live = deadline and tonumber(deadline) >= now\n",
+        "    local live = deadline\n",
         "a release hands on to the queue's head without dropping dead waiters (pop_live)",
     ),
     # -- the lease keeper ---------------------------------------------------------------
