@@ -26,11 +26,11 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+from .._base import _clock
 from .._base._errors import (
     AUTHENTICATION_ERRORS,
     INVALID_RESPONSE_ERRORS,
@@ -236,7 +236,7 @@ class _Acquisition:
         """One acquire call, awaited until the deadline; a call that may grant or queue the
         token is left to finish if the caller leaves (`InFlight`)."""
         context, spec, waiter = self.context, self.spec, self.waiter
-        self.sent_at = time.monotonic()
+        self.sent_at = _clock.monotonic()
         if waiter is not None and waiter.queued_at == 0.0:
             waiter.still_queued(self.sent_at)  # unknown to the server before this call
         self.on_server = True
@@ -306,10 +306,10 @@ class _Acquisition:
     async def outage(self) -> _Next:
         """OUTAGE: Redis could not be reached; re-try after a back-off (or sooner, on a
         reconnect or a grant), until the caller's own deadline."""
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.deadline is not None and _clock.monotonic() >= self.deadline:
             return self.miss
         waiter = self.parked()
-        wake = await waiter.sleep(time.monotonic() + self.backoff)
+        wake = await waiter.sleep(_clock.monotonic() + self.backoff)
         self.backoff = min(self.backoff * 2, RETRY_MAX)
         return self.granted_to(waiter) if wake is Wake.GRANTED else TRY
 
@@ -361,9 +361,9 @@ class _Acquisition:
         # Awaited until the caller's deadline (a little past it), or, without one, up to
         # CLEANUP_BOUND; past that it goes on in the background.
         deadline = self.deadline
-        until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
+        until = None if deadline is None else max(deadline, _clock.monotonic()) + GRACE
         if self.unanswered:
-            until = time.monotonic() + GRACE
+            until = _clock.monotonic() + GRACE
         after = None if self.in_flight is None else self.in_flight.after(self.wake_granted)
         await withdraw(context, spec, token, ttl_ms, until, after=after)
 
@@ -404,7 +404,7 @@ def late_grant(granted_at: float, ttl_ms: int) -> bool:
     """A grant whose lease, counted from `granted_at`, has less than half its validity left:
     to be confirmed with the server before it is reported (see `LateGrants`)."""
     ttl = ttl_ms / 1000.0
-    return validity(granted_at, ttl) - time.monotonic() < ttl * _CONFIRM_BELOW
+    return validity(granted_at, ttl) - _clock.monotonic() < ttl * _CONFIRM_BELOW
 
 
 class LateGrants:

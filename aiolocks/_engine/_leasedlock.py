@@ -18,14 +18,12 @@ import contextvars
 import functools
 import inspect
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar
 
-from .._base import _spec, _telemetry
+from .._base import _clock, _spec, _telemetry
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import (
     LockError,
@@ -234,7 +232,7 @@ class LeasedLock(AsyncWithOnly):
         """Arm `max_hold` for `holding`, counted from `since` (monotonic)."""
         if self._max_hold is None or holding.lease is None:
             return
-        delay = max(0.0, since + self._max_hold - time.monotonic())
+        delay = max(0.0, since + self._max_hold - _clock.monotonic())
         holding.cap = asyncio.get_running_loop().call_later(
             delay, self._max_hold_reached, context, holding
         )
@@ -301,7 +299,7 @@ class LeasedLock(AsyncWithOnly):
         if held is not None:
             raise LockReentry(self._name, reason, token=held.token)
         context = context_for(self._client)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else _clock.monotonic() + timeout
         self._waiting += 1
         try:
             if self._local_handoff:
@@ -320,7 +318,7 @@ class LeasedLock(AsyncWithOnly):
     ) -> _spec.Grant | None:
         """One acquisition through Redis (replication confirmed, if asked for); `bound` > 0
         makes it a local hand-off cohort's, which reserves `bound + 1` fences."""
-        token = secrets.token_hex(16)
+        token = _clock.token_hex(16)
         if bound:
             token = cohort_token(token, bound)
         try_bound, deadline = self._try_deadline(blocking, deadline)
@@ -391,7 +389,7 @@ class LeasedLock(AsyncWithOnly):
         if blocking:
             return None, deadline
         try_bound = _try_bound(self._client)
-        return try_bound, time.monotonic() + try_bound
+        return try_bound, _clock.monotonic() + try_bound
 
     def _missed(self, miss: _spec.Miss, try_bound: float | None, token: str) -> None:
         """An acquisition ended without the primitive: noted for `LockTimeout`'s message; a
@@ -422,7 +420,7 @@ class LeasedLock(AsyncWithOnly):
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
             # Best-effort: the key is gone or someone else's; this only tidies the queue, and
             # never delays the report (a link that stalled may be why the lease was lost).
-            until = time.monotonic() + _release.GRACE
+            until = _clock.monotonic() + _release.GRACE
             await _release.withdraw(
                 context, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
             )
@@ -515,9 +513,9 @@ class LeasedLock(AsyncWithOnly):
         if task in self._holdings or self._held_elsewhere(task) is not None:
             raise LockReentry(self._name, "the current task already holds it")
         context = context_for(self._client)
-        token = secrets.token_hex(16)
+        token = _clock.token_hex(16)
         script, keys = self._adopt_call()
-        sent_at = time.monotonic()
+        sent_at = _clock.monotonic()
         in_flight = _release.InFlight(
             context.run(script, keys, (handle.token, token, self._ttl_ms)), context
         )

@@ -24,11 +24,10 @@ import enum
 import functools
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from .._base import _telemetry
+from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._errors import AUTHENTICATION_ERRORS, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec
@@ -122,7 +121,7 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    sent_at = time.monotonic()
+    sent_at = _clock.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
     wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
@@ -250,7 +249,7 @@ async def withdraw(
     awaited first, in that task, for at most as long (the reply of the token's own call in
     flight, see `InFlight.after`; past it, that call is abandoned and the release sent)."""
     task = background_release(context, spec, token, ttl_ms, call, after)
-    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - _clock.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))
     return task.done()
@@ -311,11 +310,11 @@ async def _retried(
             await asyncio.wait_for(after, bound)
         except TimeoutError:
             log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
-    give_up = time.monotonic() + bound
+    give_up = _clock.monotonic() + bound
     delay = RETRY_MIN
     while True:
         try:
-            await asyncio.wait_for(call(), give_up - time.monotonic())
+            await asyncio.wait_for(call(), give_up - _clock.monotonic())
             return
         except asyncio.CancelledError:
             raise  # the loop is shutting down
@@ -325,7 +324,7 @@ async def _retried(
                 # connection error: stop here, or the loop's end waits out the whole bound.
                 raise asyncio.CancelledError from exc
             outage = isinstance(exc, PASSING_OUTAGE) and not isinstance(exc, AUTHENTICATION_ERRORS)
-            if not outage or time.monotonic() + delay >= give_up:
+            if not outage or _clock.monotonic() + delay >= give_up:
                 log.warning(
                     "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
                     "forgets the token when its ttl ends",
@@ -395,14 +394,14 @@ async def release_until(
                 if lease is not None:
                     context.keeper.drop(lease)
     except TimeoutError:
-        await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
+        await withdraw(context, spec, token, ttl_ms, _clock.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
         if lease is not None:  # (cancelled while waiting for its place)
             context.keeper.drop(lease)
             until = max(until, lease.valid_until)
         end = until if bound is None else bound.end()
-        await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
+        await withdraw(context, spec, token, ttl_ms, max(end, _clock.monotonic() + GRACE), call)
         raise
 
 
@@ -428,11 +427,10 @@ class _ValidityBound:
         # Itself the callback, in one shared empty context: no bound method and no copy
         # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        when = loop.time() + (self.end() - time.monotonic())
-        return loop.call_at(when, self, context=_NO_CONTEXT)
+        return loop.call_later(self.end() - _clock.monotonic(), self, context=_NO_CONTEXT)
 
     def __call__(self) -> None:
-        if self.end() > time.monotonic():
+        if self.end() > _clock.monotonic():
             self.handle = self._arm()  # renewed meanwhile
         else:
             self.scope.reschedule(asyncio.get_running_loop().time())
@@ -513,8 +511,7 @@ def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
 
 
 async def _bounded(awaitable: Awaitable[T], deadline: float) -> T:
-    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-    async with asyncio.timeout_at(loop_deadline):
+    async with asyncio.timeout(deadline - _clock.monotonic()):
         return await awaitable
 
 
@@ -540,7 +537,7 @@ async def answered_by(awaitable: Awaitable[T], until: float | None) -> T | Unans
         return await completed(awaitable)
     task = asyncio.ensure_future(awaitable)
     try:
-        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - _clock.monotonic()))
     except BaseException:
         task.add_done_callback(_log_failure)
         raise

@@ -38,7 +38,6 @@ import collections
 import contextlib
 import logging
 import os
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -58,7 +57,7 @@ except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     HIREDIS = False
     PUSH = ()
 
-from .._base import _adapter
+from .._base import _adapter, _clock
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import (
     CONNECTION_ERRORS,
@@ -203,7 +202,7 @@ class ScriptRunner:
         sent: Callable[[float], None] | None = None,
     ) -> Any:
         if sent is not None:
-            sent(time.monotonic())
+            sent(_clock.monotonic())
         self._sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
@@ -841,7 +840,7 @@ class AutoPipeline:
         """`batch` as RESP, packed by the connection (as redis-py would send each call).
         It is written next: each call's `sent` is told now."""
         parts: list[bytes] = []
-        now = time.monotonic()
+        now = _clock.monotonic()
         for call in batch:
             if call.sent is not None:
                 call.sent(now)
