@@ -230,7 +230,7 @@ class RedisMultiLock(LeasedLock):
     ) -> None:
         """`grant` holds `spec`'s name: its lease goes to the keeper at once."""
         owner = Callbacks(
-            functools.partial(self._name_lost, taken, spec.name),
+            functools.partial(self._name_lost, context, taken, spec, grant.token),
             functools.partial(_release.release, context, spec, grant.token, self._ttl_ms),
         )
         lease = Lease(
@@ -271,8 +271,13 @@ class RedisMultiLock(LeasedLock):
         taken.holding = holding
         self._cap(context, holding, grant.granted_at)
 
-    def _name_lost(self, taken: _Taken, name: str, reason: str) -> None:
-        reason = f"{name!r}: {reason}"
+    def _name_lost(
+        self, context: ClientContext, taken: _Taken, spec: _spec.Spec, token: str, reason: str
+    ) -> None:
+        """The keeper lost one name's lease: the holder is told (now, or when it holds), and
+        that name's token given back at once (`_release.give_back_lost`)."""
+        _release.give_back_lost(context, spec, token, self._ttl_ms)
+        reason = f"{spec.name!r}: {reason}"
         if taken.holding is None:
             taken.lost_reason = taken.lost_reason or reason
         elif not taken.holding.is_lost:

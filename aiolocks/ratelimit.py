@@ -38,6 +38,7 @@ __all__ = [
 _ACQUIRE = load("ratelimit_acquire", "ratelimit", prelude=False)
 _GIVE_BACK = load("ratelimit_give_back", "ratelimit", prelude=False)
 _INSPECT = load("ratelimit_inspect", "ratelimit", prelude=False)
+_SET = load("ratelimit_set", "ratelimit", prelude=False)
 
 MAX_BURST = 2**31 - 1
 # Limits on one name at most (each adds four arguments and a few operations per call).
@@ -50,6 +51,10 @@ _MAX_SPAN_US = 2**50
 # How long a cancelled wait's give-back (the reservation's reply, then the compare-and-set)
 # may hold its CancelledError back, at most; past it the slot is lost (never exceeded).
 _GIVE_BACK_BOUND = 5.0
+
+
+# (rate, per, burst, µs per permit) of one limit, validated
+Settings = tuple[float, float, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,7 @@ def _count(value: object, what: str, most: int) -> int:
     return value
 
 
-def validate_settings(rate: object, per: object, burst: object) -> tuple[float, float, int, int]:
+def validate_settings(rate: object, per: object, burst: object) -> Settings:
     """(rate, per, burst, microseconds per permit) if they can be a limiter's settings.
     Raises `TypeError`/`ValueError` naming the argument otherwise. Computed exactly
     (fractions): settings with the same ratio give the same interval.
@@ -177,7 +182,7 @@ def window_settings(rate: Fraction, per: Fraction) -> tuple[int, int]:
 
 def validate_limits(
     rate: object, per: object, burst: object, limits: Iterable[Limit] | None
-) -> tuple[tuple[float, float, int, int], ...]:
+) -> tuple[Settings, ...]:
     """(rate, per, burst, µs per permit) of each limit: `rate`, `per`, `burst` for one, or
     `limits` (1 to MAX_LIMITS of them), not both."""
     if limits is None:
@@ -224,7 +229,8 @@ class RedisRateLimiter(AsyncWithOnly):
       nothing from any of them.
     - The settings are stored with the name: using it with other limits raises
       `LimitMismatch` (nothing changes) until the stored state expires, one second after
-      the last reservation's slot.
+      the last reservation's slot. `set_limits()` changes them live, keeping the state;
+      every instance then adopts the limits it stored.
     - Permits are not released: a permit is a slot in time, not a holding.
     """
 
@@ -236,6 +242,7 @@ class RedisRateLimiter(AsyncWithOnly):
         "_name",
         "_settings",
         "_spec",
+        "_stamp",
         "_stats",
         "_timeout",
     )
@@ -254,19 +261,37 @@ class RedisRateLimiter(AsyncWithOnly):
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
-        # (rate, per, burst, µs per permit) of each limit
-        self._limits = validate_limits(rate, per, burst, limits)
-        self._most = min(burst for _, _, burst, _ in self._limits)  # the largest cost
+        self._configure(validate_limits(rate, per, burst, limits), 0)
         self._timeout = validate_timeout(timeout)
         self._key = KeySpace(validate_prefix(prefix), "ratelimit", self._name).key("state")
-        self._settings = tuple(
-            text
-            for rate_, per_, burst_, interval in self._limits
-            for text in (str(interval), str(burst_), repr(rate_), repr(per_))
-        )
         self._spec = _SpecView((self._key,), _telemetry.Counters())
         # permits, refusals, waiting, given_back, slots_lost
         self._stats = [0, 0, 0, 0, 0]
+
+    def _configure(self, limits: tuple[Settings, ...], stamp: int) -> None:
+        """Use `limits`, set by `set_limits()` at server time `stamp` (0: the constructor's)."""
+        self._limits = limits
+        self._most = min(burst for _, _, burst, _ in limits)  # the largest cost
+        self._settings = _arguments(limits)
+        self._stamp = stamp
+
+    def _adopt(self, state: bytes | str) -> None:
+        """Use the limits stored in `state` (set by `set_limits()`, newer than this
+        instance's): the stored settings win (see `set_limits`)."""
+        fields = text(state).split(" ")
+        stamp = int(fields.pop(0)[1:]) if fields[0].startswith("=") else 0
+        self._configure(
+            tuple(
+                (
+                    float(fields[at + 4]),
+                    float(fields[at + 5]),
+                    int(fields[at + 3]),
+                    int(fields[at + 2]),
+                )
+                for at in range(0, len(fields), 6)
+            ),
+            stamp,
+        )
 
     @property
     def name(self) -> str:
@@ -325,15 +350,23 @@ class RedisRateLimiter(AsyncWithOnly):
         if not blocking:
             timeout = 0.0
         refused: list[float] = []
+        counters = self._spec.counters
 
-        async def call() -> bool:
+        async def call(_blocking: bool, _timeout: float | None) -> bool:
             wait = await self._reserve(timeout, cost)
-            if wait is not None:
-                refused.append(wait)
-            return wait is None
+            if wait is None:
+                counters.acquisitions += 1
+                return True
+            refused.append(wait)
+            if timeout != 0:  # one try refused is busy, not a timeout
+                counters.timeouts += 1
+            return False
 
         try:
-            await _telemetry.observe_call(self, blocking, timeout, call)
+            if _telemetry.recorder is not None:
+                await _telemetry.observe(self, blocking, timeout, call)
+            else:
+                await call(blocking, timeout)
         finally:
             if refused and timeout == 0:
                 self._stats[1] += 1
@@ -343,7 +376,7 @@ class RedisRateLimiter(AsyncWithOnly):
         """One script call; then, if reserved, sleep until the slot."""
         context = context_for(self._client)
         max_wait = -1 if timeout is None else math.floor(timeout * 1e6)
-        args = (cost, max_wait, *self._settings)
+        args = (cost, max_wait, self._stamp, *self._settings)
         loop = asyncio.get_running_loop()
         # The call runs in a task of its own: a cancellation meanwhile must not lose the
         # reply, which the give-back needs.
@@ -357,10 +390,12 @@ class RedisRateLimiter(AsyncWithOnly):
         # came: counted from the reply, the sleep never ends before the slot on the server.
         replied = loop.time()
         status = int(reply[0])
-        if status == -2:
-            raise self._mismatch(reply)
+        if status < 0:
+            raise self._refusal(reply, cost)
+        if status >= 2:  # under the stored limits, newer than this instance's: use them
+            self._adopt(reply[2 if status == 2 else 3])
         delay = int(reply[1])
-        if status == 0:
+        if status in (0, 3):
             return delay / 1e6
         if delay > 0:
             self._stats[2] += 1
@@ -394,7 +429,7 @@ class RedisRateLimiter(AsyncWithOnly):
         reply = await in_flight.outcome()
         if reply is None:
             return  # no reply: whatever it reserved is lost, never exceeded
-        if int(reply[0]) != 1:
+        if int(reply[0]) not in (1, 2):
             return  # refused: nothing was reserved
         written, before = reply[2], reply[6:]
         try:
@@ -405,19 +440,59 @@ class RedisRateLimiter(AsyncWithOnly):
             given = 0
         self._stats[3 if int(given) == 1 else 4] += 1
 
-    def _mismatch(self, reply: list[Any]) -> LimitMismatch:
+    def _refusal(self, reply: list[Any], cost: int) -> Exception:
+        """Why the script reserved nothing: other limits stored (-2), or a cost above the
+        burst of the limits `set_limits()` stored, which this instance now uses (-3)."""
+        if int(reply[0]) == -3:
+            self._adopt(reply[1])
+            return ValueError(
+                f"cost must be in 1..{self._most} for {self._name!r} since set_limits() stored "
+                f"{_shown(self._limits)}, got {cost}"
+            )
         fields = [text(value) for value in reply[1:]]
         stored = ", ".join(
             f"rate={fields[at]} per={fields[at + 1]} burst={fields[at + 2]}"
             for at in range(0, len(fields), 3)
         )
-        here = ", ".join(
-            f"rate={rate!r} per={per!r} burst={burst}" for rate, per, burst, _ in self._limits
-        )
         return LimitMismatch(
             self._name,
-            f"stored with {stored}, used here with {here}; every user of a name must give "
-            "the same settings (the stored ones expire once the name is idle)",
+            f"stored with {stored}, used here with {_shown(self._limits)}; every user of a "
+            "name must give the same settings (the stored ones expire once the name is idle), "
+            "or change them with set_limits()",
+        )
+
+    # -- a change --------------------------------------------------------------------------
+
+    async def set_limits(
+        self,
+        *,
+        rate: float | None = None,
+        per: float = 1.0,
+        burst: int | None = None,
+        limits: Iterable[Limit] | None = None,
+    ) -> tuple[Limit, ...]:
+        """Change the name's limits live, keeping its state, in one script call; returns
+        the limits stored before (empty: the name was idle). Arguments as the constructor's.
+
+        What was reserved still counts: each limit keeps the permits its predecessor (at
+        the same place in the list) still counts, spaced by its own interval, so a stricter
+        limit binds at once and a looser one gives no free burst; a limit added at a new
+        place starts as full as the fullest stored limit was. Reservations already made
+        keep their slots. The change is stamped with the server's clock: every instance
+        using other limits with an older stamp adopts these at its next call (in that
+        call), and one that saw a change stores it again if the name went idle meanwhile;
+        see docs/ratelimit.md. A validation error changes nothing."""
+        settings = validate_limits(rate, per, burst, limits)
+        with map_redis_errors(self._name):
+            # Retried: run twice, the second run carries the state over to the same limits.
+            reply: list[Any] = await context_for(self._client).run(
+                _SET, (self._key,), _arguments(settings), retry=True
+            )
+        self._configure(settings, int(reply[0]))
+        fields = [text(value) for value in reply[1:]]
+        return tuple(
+            Limit(float(fields[at]), float(fields[at + 1]), int(fields[at + 2]))
+            for at in range(0, len(fields), 3)
         )
 
     # -- async with ----------------------------------------------------------------------
@@ -480,3 +555,16 @@ class RedisRateLimiter(AsyncWithOnly):
             reserved_ms=math.ceil(ahead / 1000),
             limits=tuple(limits),
         )
+
+
+def _arguments(limits: tuple[Settings, ...]) -> tuple[str, ...]:
+    """The scripts' arguments for `limits`: interval, burst, rate, per of each."""
+    return tuple(
+        field
+        for rate, per, burst, interval in limits
+        for field in (str(interval), str(burst), repr(rate), repr(per))
+    )
+
+
+def _shown(limits: tuple[Settings, ...]) -> str:
+    return ", ".join(f"rate={rate!r} per={per!r} burst={burst}" for rate, per, burst, _ in limits)

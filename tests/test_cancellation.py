@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -125,3 +126,26 @@ async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:
         await task
     assert not await mutex.locked()  # the shielded re-run released it
     assert mutex.statistics().held_here == 0
+
+
+@pytest.mark.parametrize("steps", range(5))
+async def test_a_cancellation_reaches_a_pooled_calls_caller_at_once(url: str, steps: int) -> None:
+    """Issue 40 (simulation seed 373: a release answered 0.8 s past its lease's validity).
+    With a socket_timeout, redis-py writes under `asyncio.wait_for`, which on Python 3.11
+    returns instead of raising a cancellation that lands as the write finishes: the caller
+    then waited for the reply. Cancelled `steps` loop iterations into a call the server
+    answers after 2 s (BLPOP), the caller leaves at once, whichever iteration it is."""
+    client = redis.asyncio.Redis.from_url(url, socket_timeout=10)
+    try:
+        runner = context_for(client)
+        await runner.call("PING")  # connected: the call below only writes and reads
+        call = asyncio.ensure_future(runner.call("BLPOP", "cancel:never", "2"))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        cancelled_at = time.monotonic()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert time.monotonic() - cancelled_at < 1.0  # not the 2 s of the reply
+    finally:
+        await client.aclose()

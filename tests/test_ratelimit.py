@@ -56,7 +56,7 @@ async def test_bound_across_four_processes(r: redis.asyncio.Redis, url: str) -> 
         mine = json.loads(line[0].removeprefix("grants "))
         assert mine, f"worker {index} got no permit"
         grants += mine
-    slots = [slot for slot, _ in grants]
+    slots = [slot for slot, *_ in grants]
     interval_us = round(per * 1e6 / rate)
     figures = {}
     for window_us in (0, interval_us // 2, interval_us, 5 * interval_us, 250_000, 1_000_000):
@@ -64,7 +64,7 @@ async def test_bound_across_four_processes(r: redis.asyncio.Redis, url: str) -> 
         bound = burst + rate * window_us / (per * 1e6)
         figures[window_us] = (most, bound)
         assert most <= bound, (window_us, most, bound)
-    early = [(slot, used) for slot, used in grants if used < slot]
+    early = [(slot, used) for slot, used, _ in grants if used < slot]
     assert not early, early[:5]
     span_s = (max(slots) - min(slots)) / 1e6
     reached = (len(slots) - burst) / span_s
@@ -92,7 +92,7 @@ async def test_default_is_at_most_rate_in_any_window_across_four_processes(
         assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
         line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
         assert len(line) == 1, result.stdout
-        slots += [slot for slot, _ in json.loads(line[0].removeprefix("grants "))]
+        slots += [slot for slot, *_ in json.loads(line[0].removeprefix("grants "))]
     window_us = round(per * 1e6)
     most = _most_in_window(slots, window_us)
     ordered = sorted(slots)
@@ -127,7 +127,7 @@ async def test_several_limits_across_four_processes(r: redis.asyncio.Redis, url:
     for index, result in enumerate(results):
         assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
         line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
-        slots += [slot for slot, _ in json.loads(line[0].removeprefix("grants "))]
+        slots += [slot for slot, *_ in json.loads(line[0].removeprefix("grants "))]
     ordered = sorted(slots)
     figures = {t: _most_in_window(slots, t) for t in (0, 500_000, 1_000_000, 2_000_000, 4_000_000)}
     print(f"two limits: {len(slots)} grants, most in windows (µs): {figures}")
@@ -544,3 +544,208 @@ async def test_several_limits_on_cluster(cluster: Cluster, cluster_r: RedisClust
         assert await limiter.acquire(timeout=1)  # ~50 ms
         assert not await limiter.acquire(timeout=1)  # the minute's: 20 s away
         assert (await limiter.inspect()).limits == (Limit(20.0, 1.0, 2), Limit(3.0, 60.0, 3))
+
+
+# -- a change (set_limits) ------------------------------------------------------------------
+
+
+def _stamp(state: object) -> int:
+    """The set_limits() stamp a state carries (0: none)."""
+    assert isinstance(state, bytes), state
+    head = state.split(b" ", 1)[0]
+    return int(head[1:]) if head.startswith(b"=") else 0
+
+
+def _check_change(
+    grants: list[tuple[int, int, int]], limits: list[tuple[int, int, int]], window_us: int
+) -> float:
+    """Check the transition rule (docs/ratelimit.md, "A limit changed live") on every window
+    of `window_us` starting at a grant's slot; `grants` are (slot, used, reserved) on the
+    server's clock, `limits` (from_us, burst, interval_us) of each limit in force from
+    `from_us` on (the first from 0), at most one change in a window. Returns the highest
+    count / bound seen."""
+    starts = [at for at, _, _ in limits]
+    worst = 0.0
+    for a, _, _ in grants:
+        b = a + window_us
+        index = bisect.bisect_right(starts, b) - 1  # the limit in force at b
+        at, burst, interval = limits[index]
+        inside = [(slot, reserved) for slot, _, reserved in grants if a <= slot <= b]
+        # the grants reserved while it was in force: its bound, in any window
+        mine = sum(1 for _, reserved in inside if reserved >= at)
+        assert mine <= burst + window_us / interval, (a, window_us, mine, limits[index])
+        worst = max(worst, mine / (burst + window_us / interval))
+        if a < at:  # a window across the change: what was used before it still counts
+            assert index == 0 or starts[index - 1] <= a, ("two changes in a window", a, b)
+            before = len(inside) - mine  # reserved before the change: they keep their slots
+            bound = burst + (at - a) / limits[index - 1][2] + (b - at) / interval
+            assert len(inside) <= max(before, bound), (a, window_us, len(inside), before, bound)
+            worst = max(worst, len(inside) / max(before, bound))
+    return worst
+
+
+@pytest.mark.slow
+async def test_a_change_under_load_from_other_processes(r: redis.asyncio.Redis, url: str) -> None:
+    """4 processes x 6 tasks take permits of 100/s (burst 10) for 4.5 s; this process
+    changes the name's limit to 30/s (burst 3) after 1.5 s, then to 150/s (burst 15) after
+    3 s, each in one call while the workers keep their limiters made with 100/s (they
+    adopt the change). Counted on the server's clock, every window [a, b] obeys the
+    transition rule (`_change_bound`: the old bound before each change, the new one after,
+    nothing free at a change), and each limit is reached while in force."""
+    workers, tasks, seconds = 4, 6, 4.5
+    settings = [(100, 10), (30, 3), (150, 15)]  # rate per second, burst
+    limiter = RedisRateLimiter(r, "api", rate=100, burst=10)
+    job = asyncio.ensure_future(
+        arun_workers(
+            str(WORKERS / "ratelimit_user.py"),
+            [[url, "api", "100", "1", "10", str(workers + 1), str(tasks), str(seconds)]] * workers,
+            timeout=60,
+        )
+    )
+    # the workers' barrier, with this process as one more party (a client of its own: no
+    # socket timeout while the workers start)
+    async with redis.asyncio.Redis.from_url(url, socket_timeout=60) as gate:
+        if await gate.incr("test:{api}:barrier:arrived") == workers + 1:
+            await gate.rpush("test:{api}:barrier:gate", *["go"] * (workers + 1))
+        assert await gate.blpop(["test:{api}:barrier:gate"], timeout=30) is not None
+    changes = [(0, 10, 10_000)]
+    for rate, burst in settings[1:]:
+        await asyncio.sleep(1.5)
+        previous = await limiter.set_limits(rate=rate, burst=burst)
+        assert previous[0].burst == changes[-1][1], previous
+        changes.append((_stamp(await r.get(KEY)), burst, limiter._limits[0][3]))
+    results = await job
+    grants: list[tuple[int, int, int]] = []
+    for index, result in enumerate(results):
+        assert result.returncode == 0, f"worker {index}: {result.stdout}\n{result.stderr}"
+        line = [row for row in result.stdout.splitlines() if row.startswith("grants ")]
+        grants += [tuple(grant) for grant in json.loads(line[0].removeprefix("grants "))]
+    grants.sort()
+    worst = {
+        window_us: _check_change(grants, changes, window_us)
+        for window_us in (0, 20_000, 100_000, 300_000, 1_000_000)
+    }
+    # each limit reached while in force (its last 0.4 s: the backlog carried over spent)
+    reached = []
+    for index, (_, _, interval) in enumerate(changes):
+        end = changes[index + 1][0] if index + 1 < len(changes) else grants[-1][0]
+        count = sum(1 for slot, _, _ in grants if end - 400_000 <= slot < end)
+        reached.append(count / 0.4)
+        assert count >= 0.85 * 400_000 / interval, (index, count, changes)
+    print(f"a change under load: {len(grants)} grants; reached per second {reached}")
+    print(f"highest count / bound in windows (µs): {worst}")
+
+
+async def test_set_limits_keeps_what_was_reserved(r: redis.asyncio.Redis) -> None:
+    """No free burst: what was taken under the old limit still counts under the new one,
+    a stricter limit binds at once and a looser one gives nothing back retroactively."""
+    limiter = RedisRateLimiter(r, "api", rate=1, per=1.0, burst=5)
+    assert [await limiter.acquire(blocking=False) for _ in range(5)] == [True] * 5
+    # looser: 10 a second, burst 5; the 5 taken (5 s of the old limit's time) are 5 of the
+    # new one's permits (0.5 s): nothing free at once, the next in ~100 ms
+    assert await limiter.set_limits(rate=10, burst=5) == (Limit(1.0, 1.0, 5),)
+    assert limiter.limits == (Limit(10.0, 1.0, 5),)
+    assert not await limiter.acquire(blocking=False)
+    info = await limiter.inspect()
+    assert info.limits == (Limit(10.0, 1.0, 5),) and info.available == 0, info
+    assert 0 < info.next_free_ms <= 100 and 400 < info.reserved_ms <= 500, info
+    assert await limiter.acquire(timeout=1)  # one permit of the new limit, ~100 ms later
+    # stricter: 1 a second, burst 2; ~5 permits counted (~500 ms of 100 ms each): full, so
+    # the next in ~3-4 s, where a reset would have given 2 at once
+    assert await limiter.set_limits(rate=1, burst=2) == (Limit(10.0, 1.0, 5),)
+    assert not await limiter.acquire(blocking=False)
+    info = await limiter.inspect()
+    assert 2_500 < info.next_free_ms <= 4_000, info
+    # several limits: each keeps its place's share; an added one starts as full as the
+    # fullest was (here full: nothing at once under either)
+    both = [Limit(100, per=1.0, burst=10), Limit(1000, per=60.0, burst=50)]
+    assert await limiter.set_limits(limits=both) == (Limit(1.0, 1.0, 2),)
+    info = await limiter.inspect()
+    assert info.limits == tuple(both) and info.available == 0, info
+    # reservations made before a change keep their slots
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.05)
+    assert limiter.statistics().waiting == 1
+    await limiter.set_limits(rate=1, per=3600.0, burst=1)  # far stricter
+    assert await asyncio.wait_for(waiting, 2)  # the slot reserved before, kept
+
+
+async def test_other_instances_adopt_a_change(r: redis.asyncio.Redis) -> None:
+    """Instances made with the old limits (or any others) adopt the limits set_limits()
+    stored, in their next call; they keep them, and store them again if the name went idle
+    and an instance that never saw the change stored its own meanwhile."""
+    old = RedisRateLimiter(r, "api", rate=10, burst=2)
+    operator = RedisRateLimiter(r, "api", rate=10, burst=2)
+    assert await old.acquire(blocking=False)
+    await operator.set_limits(rate=20, per=1.0, burst=3)
+    for instance in (old, RedisRateLimiter(r, "api", rate=5, per=7.0, burst=9)):
+        assert await instance.acquire(blocking=False)  # no LimitMismatch: the stored win
+        assert instance.limits == (Limit(20.0, 1.0, 3),), instance
+        assert instance.statistics().burst == 3
+    assert not await old.acquire(blocking=False)  # 3 taken: the new burst
+    # a refusal adopts too, and says when the slot would be under the stored limits
+    other = RedisRateLimiter(r, "api", rate=1, per=60.0, burst=1)
+    wait = await other._acquire(True, 0, 1)
+    assert wait is not None and wait <= 0.05 and other.limits == (Limit(20.0, 1.0, 3),)
+    # a cost above the stored burst: a ValueError naming the change, nothing changed
+    state = await r.get(KEY)
+    with pytest.raises(ValueError, match=r"cost must be in 1\.\.3 for 'api' since set_limits"):
+        await RedisRateLimiter(r, "api", rate=10, burst=5).acquire(cost=4)
+    assert await r.get(KEY) == state
+    # the name idle (its key gone); an instance that never saw the change stores its own
+    # limits; the next instance that saw it stores the change again, carrying the state
+    await r.delete(KEY)
+    never = RedisRateLimiter(r, "api", rate=10, burst=2)
+    assert await never.acquire(blocking=False)
+    assert _stamp(await r.get(KEY)) == 0
+    assert await old.acquire(blocking=False)
+    assert (await old.inspect()).limits == (Limit(20.0, 1.0, 3),)
+    assert _stamp(await r.get(KEY)) > 0
+    assert await never.acquire(blocking=False)  # adopts it again
+    assert never.limits == (Limit(20.0, 1.0, 3),)
+    assert not await never.acquire(blocking=False)  # 3 in all: carried over
+    # without a change, other limits are still a mismatch (the constructors disagree)
+    await r.delete(KEY)
+    assert await RedisRateLimiter(r, "other", rate=10, burst=2).acquire()
+    with pytest.raises(LimitMismatch, match=r"or change them with set_limits\(\)"):
+        await RedisRateLimiter(r, "other", rate=20, burst=2).acquire()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"rate": 0}, ValueError, "rate must be a finite number > 0"),
+        ({"rate": 10, "burst": 0}, ValueError, r"burst must be in 1\.\."),
+        ({"rate": 10, "limits": [Limit(1)]}, ValueError, "or limits=, not both"),
+        ({"limits": []}, ValueError, r"limits must hold 1\.\.16 Limit, got 0"),
+        ({}, ValueError, r"give rate= \(one limit\) or limits="),
+        ({"rate": "10"}, TypeError, "rate must be a number"),
+    ],
+)
+async def test_set_limits_validation_changes_nothing(
+    r: redis.asyncio.Redis, options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    limiter = RedisRateLimiter(r, "api", rate=10, burst=2)
+    with pytest.raises(error, match=match):
+        await limiter.set_limits(**options)  # idle: nothing written
+    assert await r.exists(KEY) == 0
+    assert await limiter.acquire(blocking=False)
+    state = await r.get(KEY)
+    before = await command_count(r)
+    with pytest.raises(error, match=match):
+        await limiter.set_limits(**options)
+    assert await command_count(r) == before + 1  # only the first INFO
+    assert await r.get(KEY) == state and limiter.limits == (Limit(10.0, 1.0, 2),)
+
+
+async def test_set_limits_on_cluster(cluster: Cluster, cluster_r: RedisCluster) -> None:
+    """A change is one call on the name's one key (one hash slot), on every node's names."""
+    limiters = [RedisRateLimiter(cluster_r, f"api:{index}", rate=20, burst=2) for index in range(6)]
+    for limiter in limiters:
+        assert await limiter.acquire(blocking=False)
+        stale = RedisRateLimiter(cluster_r, limiter.name, rate=20, burst=2)
+        both = [Limit(20, per=1.0, burst=3), Limit(3, per=60.0, burst=3)]
+        assert await limiter.set_limits(limits=both) == (Limit(20.0, 1.0, 2),)
+        assert await stale.acquire(blocking=False) and stale.limits == tuple(both)
+        # 2 taken: the added minute limit starts as full as the other was (half: 1.5 of 3)
+        assert not await stale.acquire(blocking=False)

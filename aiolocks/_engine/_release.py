@@ -48,8 +48,10 @@ __all__ = [
     "background_release",
     "bounded",
     "completed",
+    "give_back_lost",
     "granted_in",
     "granting",
+    "handed_off",
     "release",
     "release_reply",
     "release_surely",
@@ -125,9 +127,19 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
     wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
-    _telemetry.on_handoff(spec, len(reply.grants))
+    handed_off(spec, len(reply.grants))
     held = reply.status is Released.HELD
     return None if unsure and not held else held
+
+
+def handed_off(spec: Spec, count: int, *, local: bool = False) -> None:
+    """A release let `count` waiters in (it may be 0): by the release script's grants, or
+    `local`ly, a `local_handoff` cohort passing its lease to its next task. Counted for
+    `statistics()`, and told to the telemetry recorder if one is installed."""
+    if count:
+        spec.counters.handoffs += count
+        if _telemetry.recorder is not None:
+            _telemetry.on_handoff(spec, count, local=local)
 
 
 # The retry policy of every release and clean-up, decided here only:
@@ -276,6 +288,22 @@ def background_release(
     again = functools.partial(_retried, call, spec.name, token, bound)
     task.add_done_callback(functools.partial(_cut_short, context, again, after))
     return task
+
+
+def give_back_lost(
+    context: ClientContext,
+    spec: Spec,
+    token: str,
+    ttl_ms: int,
+    call: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
+    """The keeper lost `token`'s lease (its validity ended while Redis did not answer, or
+    another owner holds the name): give the token back now, in the background, as every
+    clean-up (`background_release`). A lease that ran out of validity on this side may
+    still be the token's on the server (a renewal ran there, its reply late): the name
+    would stay owned by a token no task holds, while others wait, until its holder's
+    task released it (as late as it likes) or its ttl ended."""
+    background_release(context, spec, token, ttl_ms, call)
 
 
 def _cut_short(

@@ -145,6 +145,8 @@ class Owner(Protocol):
 
     def _lease_lost(self, holding: Holding, reason: str) -> None: ...
 
+    def _keeper_lost(self, holding: Holding, reason: str) -> None: ...
+
     async def _give_back_holding(self, holding: Holding) -> bool | None: ...
 
 
@@ -223,7 +225,7 @@ class Holding:
     # itself, so no callback object is made per holding (a burst of 100,000 holdings would
     # be that many more objects for every full collection of the garbage collector).
     def lease_lost(self, reason: str) -> None:
-        self.lock._lease_lost(self, reason)
+        self.lock._keeper_lost(self, reason)
 
     async def give_back(self) -> bool | None:
         return await self.lock._give_back_holding(self)

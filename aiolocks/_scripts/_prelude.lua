@@ -140,6 +140,10 @@ end
 -- past the end of the last lease or liveness deadline that needed it (docs/architecture.md,
 -- "Fences and expiry"). A lease or deadline of ttl is written with the keys kept ttl + IDLE_MS.
 local IDLE_MS = 1000
+-- A fence counter is kept at least this long past its last grant, whatever the lease's ttl:
+-- a server clock stepped back by less than that (or than ttl + IDLE_MS) once the key has
+-- expired cannot send a fence below an earlier one (grant_fence; "Fences and expiry").
+local FENCE_KEEP_MS = 5000
 
 -- Keep `key` for at least `ms` more milliseconds: never shortens an expiry; gives one to a
 -- key that has none (written by an older version); leaves a missing key missing.
@@ -246,9 +250,11 @@ end
 -- The fence counter is a hybrid logical clock: a block starts above both the stored counter
 -- and the server clock in microseconds, so fences stay strictly increasing after the key
 -- expired (or was lost: a restart without persistence, a failover to a replica behind).
--- The key outlives the lease by IDLE_MS, and never expires before the clock has passed the
--- stored value: a cohort reserving blocks faster than one fence per microsecond runs the
--- counter ahead of the clock, and its expiry is pushed back by as much.
+-- The key outlives the lease by IDLE_MS, and FENCE_KEEP_MS at least, and never expires
+-- before the clock has passed the stored value: a cohort reserving blocks faster than one
+-- fence per microsecond runs the counter ahead of the clock, and its expiry is pushed back
+-- by as much. So once the key has expired the clock is past every fence by that much, and a
+-- server clock stepped back by less still hands out higher fences.
 -- `stored`: the counter's value when the caller has just read it (nil: read it here).
 -- `alone`: the counter serves this lease only (a mutex: whoever held it before has ended by
 -- now), so its expiry is this grant's need, set without reading the one it had (which
@@ -261,7 +267,7 @@ local function grant_fence(fence_key, token, ttl, stored, alone)
   end
   local base = math.max(stored, now)
   local last = base + block
-  local keep = tonumber(ttl) + IDLE_MS + math.ceil((last - now) / 1000)
+  local keep = math.max(tonumber(ttl) + IDLE_MS, FENCE_KEEP_MS) + math.ceil((last - now) / 1000)
   if not alone then
     keep = math.max(keep, redis.call('PTTL', fence_key))
   end

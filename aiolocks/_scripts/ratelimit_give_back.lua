@@ -4,7 +4,7 @@
 -- KEYS[1] state  STRING  (see _ratelimit.lua)
 -- ARGV    state (the text the reservation wrote), then the tats before it, one per limit
 -- Returns 1 given back, 0 not (a later reservation, or the state expired or was removed).
-local state, raw = read_state()
+local state, raw, stamp = read_state()
 if not state or raw ~= ARGV[1] then
   return 0
 end
@@ -12,5 +12,5 @@ local tats = {}
 for i = 1, #state do
   tats[i] = tonumber(ARGV[i + 1])
 end
-write_state(state, tats, tonumber(state[1].seq), now_us())
+write_state(state, tats, tonumber(state[1].seq), now_us(), stamp)
 return 1

@@ -36,8 +36,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -102,6 +104,31 @@ def autopipelining() -> bool:
     return value not in ("0", "off", "false", "no")
 
 
+async def _cancellable(execute: Callable[..., Awaitable[Any]], *args: Any, **options: Any) -> Any:
+    """`execute(*args, **options)`, which a cancellation stops at once (Python 3.11).
+
+    CPython 3.11's `asyncio.wait_for`, in which redis-py writes and reads when the client
+    has a `socket_timeout`, returns its inner result instead of raising a cancellation
+    that comes in the loop iteration that inner awaitable finished (bpo-42130, fixed in
+    3.12): the cancellation is lost, and a caller cut off at a deadline (a release at its
+    lease's validity end, an acquisition's timeout) waits for the reply instead, however
+    late. So the call runs in a task of its own, awaited through a shield: the caller's
+    cancellation ends its wait at once, and is passed on to the call."""
+    call = asyncio.ensure_future(execute(*args, **options))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        call.cancel()
+        call.add_done_callback(_retrieved)
+        raise
+
+
+def _retrieved(call: asyncio.Future[Any]) -> None:
+    """A call its caller left: its outcome is nobody's (never logged as unretrieved)."""
+    if not call.cancelled():
+        call.exception()
+
+
 class ScriptRunner:
     """Sends the engine's scripts and commands on one client, on one event loop."""
 
@@ -114,6 +141,8 @@ class ScriptRunner:
         self._execute: Callable[..., Awaitable[Any]] = self.engine.execute_command
         if is_cluster(client):
             self._execute = self._cluster_execute
+        if sys.version_info < (3, 12):
+            self._execute = functools.partial(_cancellable, self._execute)
         # Script calls made in one loop iteration go out as one pipeline, on one connection.
         # Not on Cluster: redis-py routes each command to its slot's node and follows
         # MOVED / ASK there, which a connection of our own would have to redo.

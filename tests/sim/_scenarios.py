@@ -466,27 +466,37 @@ async def clock_back(scene: Scene) -> None:
     """Issue 33: the server's clock steps back 2 s (a failover to a replica whose clock is
     behind, the data kept) between two holdings: fences must still rise (from the stored
     counter: the clock alone would go back)."""
+    await _clock_steps_back(scene, at=0.35, step=2.0, local_handoff=2)
+
+
+@scenario
+async def clock_back_after_expiry(scene: Scene) -> None:
+    """Issue 40 (seed 554: FENCE DOWN, FENCE ORDER): A holds "m" (ttl 1 s) and releases; its
+    keys expire (the fence counter ttl + 1 s after the grant, on the code then); the
+    server's clock then steps back 3 s, and B's fence came from the clock alone, below A's.
+    The counter is kept 5 s at least (FENCE_KEEP_MS): a smaller step still rises."""
+    await _clock_steps_back(scene, at=2.5, step=3.0, local_handoff=0)
+
+
+async def _clock_steps_back(scene: Scene, at: float, step: float, local_handoff: int) -> None:
+    """A holds "m" (ttl 1 s) for 0.2 s; at `at` the server's clock steps back `step` s; 0.15 s
+    later B (a local hand-off cohort if `local_handoff`) holds it for 0.2 s."""
     a, b = scene.proc("A"), scene.proc("B")
     clients = scene.world.clients
 
-    async def first() -> None:
-        lock = RedisMutex(clients[a], "m", ttl=1.0)
-        hold = await scene.acquire(a, lock, "A")
+    async def hold(proc: Proc, who: str, lock: RedisMutex, **options: Any) -> None:
+        held = await scene.acquire(proc, lock, who, **options)
         await asyncio.sleep(0.2)
-        await scene.release(a, lock, hold, "A")
+        await scene.release(proc, lock, held, who)
 
-    async def second() -> None:
-        await asyncio.sleep(0.5)
-        lock = RedisMutex(clients[b], "m", ttl=1.0, local_handoff=2)
-        hold = await scene.acquire(b, lock, "B", kind="cohort", timeout=5)
-        await asyncio.sleep(0.2)
-        await scene.release(b, lock, hold, "B")
-
-    scene.start(a, first(), "A")
-    scene.start(b, second(), "B")
-    await asyncio.sleep(0.35)
+    scene.start(a, hold(a, "A", RedisMutex(clients[a], "m", ttl=1.0)), "A")
+    await asyncio.sleep(at)
     scene.world.fault("clock back", None)
-    scene.world.net.step_clock_back(2.0)
+    scene.world.net.step_clock_back(step)
+    await asyncio.sleep(0.15)
+    second = RedisMutex(clients[b], "m", ttl=1.0, local_handoff=local_handoff)
+    kind = "cohort" if local_handoff else "mutex"
+    scene.start(b, hold(b, "B", second, kind=kind, timeout=5), "B")
     await asyncio.sleep(5)
 
 

@@ -286,9 +286,16 @@ class World:
             for i, a in enumerate(holds):
                 for b in holds[i + 1 :]:
                     if b.start >= a.end and b.end > b.start and _exclusive(a, b):
-                        # a ended before b began: its fence is smaller (hand-over keeps it)
+                        # a ended before b began: its fence is smaller (hand-over keeps it),
+                        # unless b was granted the name before a restart that emptied the
+                        # server, a after it (the documented gap: b learns of its loss at
+                        # its next renewal; its older, lower fence is what keeps it out)
                         fa, fb = a.fences[name], b.fences[name]
-                        if not fa < fb and not (b.adopted and fa == fb):
+                        if (
+                            not fa < fb
+                            and not (b.adopted and fa == fb)
+                            and not self._restart_gap([a, b], b.start)
+                        ):
                             self.violate(
                                 f"FENCE ORDER on {name!r}: {a.proc.name}/{a.task} fence={fa} "
                                 f"held {a.start - 1000:.4f}-{a.end - 1000:.4f}, then "

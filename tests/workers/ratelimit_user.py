@@ -9,7 +9,9 @@ Waits until all WORKERS have connected (a barrier on the server), then runs TASK
 sharing one limiter for SECONDS: each loops `acquire(timeout=<time left>)`. For each grant
 it records the slot the server gave (its reply's clock plus the delay, in server
 microseconds, read from the script's reply) and the server's `TIME` read once the call
-returned. Prints ``grants <json list of [slot_us, used_us]>`` at the end.
+returned, and the server's clock when the reservation was made. Prints ``grants <json list
+of [slot_us, used_us, reserved_us]>`` at the end (a reply under limits another process set
+with `set_limits()`, status 2, is a grant as well).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ async def main(argv: list[str]) -> int:
     workers, tasks, seconds = int(argv[5]), int(argv[6]), float(argv[7])
     client = redis.asyncio.Redis.from_url(url)
     spy_on_replies()
-    grants: list[tuple[int, int]] = []
+    grants: list[tuple[int, int, int]] = []
     try:
         await barrier(client, f"test:{{{name}}}:barrier", workers, 20)
         if limits is None:
@@ -67,8 +69,9 @@ async def main(argv: list[str]) -> int:
                     return
                 seconds_, micros = await client.time()
                 status, delay, now = (replies[-1][at] for at in (0, 1, 4))
-                assert int(status) == 1, replies[-1]
-                grants.append((int(now) + int(delay), int(seconds_) * 1_000_000 + int(micros)))
+                assert int(status) in (1, 2), replies[-1]
+                used = int(seconds_) * 1_000_000 + int(micros)
+                grants.append((int(now) + int(delay), used, int(now)))
 
         await asyncio.gather(*(user() for _ in range(tasks)))
     finally:
