@@ -14,7 +14,7 @@ import redis
 import redis.asyncio
 from _servers import ServerProcess
 
-from aiolocks import LockLost, LockNotOwned, LockReentry, LockTimeout
+from aiolocks import Limit, LockLost, LockNotOwned, LockReentry, LockTimeout
 from aiolocks.sync import (
     RedisMutex,
     RedisRateLimiter,
@@ -226,6 +226,11 @@ def test_rate_limiter_and_registry(sync_r: redis.Redis) -> None:
     with fast, fast:  # the second waits for its slot, about 10 ms
         pass
     assert fast.inspect().burst == 1
+    # a live change from a thread: the other instance adopts it; several limits
+    other = RedisRateLimiter(sync_r, "api", rate=1, per=60, burst=2)
+    assert slow.set_limits(limits=[Limit(1, per=60, burst=3)]) == (Limit(1.0, 60.0, 2),)
+    assert other.acquire(blocking=False) and other.limits == (Limit(1.0, 60.0, 3),)
+    assert not other.acquire(blocking=False)  # the 2 taken before still count
     registry = RedisRegistry(sync_r, "users")
     assert registry.register("alice") == 1
     assert registry.register_many(["bob", "alice"]) == [2, 1]

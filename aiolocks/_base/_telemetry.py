@@ -31,6 +31,7 @@ __all__ = [
     "LockView",
     "Recorder",
     "LeaseView",
+    "LimitCall",
     "SpecView",
     "describe",
     "observe",
@@ -107,6 +108,19 @@ class LeaseView(Protocol):
     def keys(self) -> tuple[bytes, ...]: ...
 
 
+class LimitCall:
+    """What a rate limiter's acquire() adds to its report: its limits, (rate, per, burst)
+    each, as used by the call; the limit that set the slot (0-based; None: a slot free at
+    once) and the seconds until that slot (slept for, or refused for)."""
+
+    __slots__ = ("binding", "delay", "limits")
+
+    def __init__(self, limits: tuple[tuple[float, float, int], ...]) -> None:
+        self.limits = limits
+        self.binding: int | None = None
+        self.delay = 0.0
+
+
 class Recorder(Protocol):
     """What `instrument()` installs; every method is called on the event loop."""
 
@@ -114,10 +128,15 @@ class Recorder(Protocol):
         """An acquire() call began; the returned handle comes back to `acquire_ended`."""
 
     def acquire_ended(
-        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
+        self,
+        handle: object,
+        lock: LockView,
+        outcome: str,
+        error: BaseException | None,
+        limit: LimitCall | None,
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
-        task holds `lock`."""
+        task holds `lock` (a rate limiter's: `limit` says what bound the call)."""
 
     def released(self, spec: SpecView, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""
@@ -137,10 +156,15 @@ recorder: Recorder | None = None
 
 
 async def observe(
-    lock: LockView, blocking: bool, timeout: float | None, acquire: AcquireCall
+    lock: LockView,
+    blocking: bool,
+    timeout: float | None,
+    acquire: AcquireCall,
+    limit: LimitCall | None = None,
 ) -> bool:
     """Report `acquire(blocking, timeout)`, an acquisition of `lock` (which counts it in
-    `lock`'s counters itself), to the installed recorder; called only when one is."""
+    `lock`'s counters itself), to the installed recorder; called only when one is. A rate
+    limiter's `acquire` fills in `limit`."""
     active = recorder
     if active is None:
         return await acquire(blocking, timeout)
@@ -153,7 +177,7 @@ async def observe(
         acquired = await acquire(blocking, timeout)
     except BaseException as exc:
         outcome = CANCELLED if isinstance(exc, asyncio.CancelledError) else ERROR
-        _safely(active.acquire_ended, handle, lock, outcome, exc)
+        _safely(active.acquire_ended, handle, lock, outcome, exc, limit)
         raise
     if acquired:
         outcome = ACQUIRED
@@ -161,7 +185,7 @@ async def observe(
         outcome = BUSY
     else:
         outcome = TIMEOUT
-    _safely(active.acquire_ended, handle, lock, outcome, None)
+    _safely(active.acquire_ended, handle, lock, outcome, None, limit)
     return acquired
 
 
