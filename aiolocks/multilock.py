@@ -175,7 +175,7 @@ class RedisMultiLock(LeasedLock):
         if len(grants) == len(self._specs) and taken.lost_reason is None:
             due = min(lease.next_due for lease in taken.leases)
             for lease in taken.leases:
-                lease.next_due = due  # renewed together from now on: one batch
+                lease.due_at(due)  # renewed together from now on: one batch
                 context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
             return _spec.Grant(token, grants[0].fence, grants[0].granted_at)

@@ -109,7 +109,7 @@ async def expire_lease(lock: Leased, *, timeout: float = 5.0) -> None:
     context = context_for(leased._client)
     lease = holding.lease
     if lease is not None and not lease.lost:
-        lease.next_due = _clock.monotonic()  # renew now: the renewal finds the lease gone
+        lease.due_at(_clock.monotonic())  # renew now: the renewal finds the lease gone
         context.keeper.hold(lease)
     with anyio.fail_after(timeout):
         await holding.lost.wait()

@@ -75,7 +75,9 @@ async def test_a_same_client_grant_whose_release_reply_was_lost_wakes_the_waiter
     client = redis.asyncio.Redis.from_url(proxy.url)
     try:
         name = f"lost-reply-{how}"
-        holder, waiter = RedisMutex(client, name, ttl=9), RedisMutex(client, name, ttl=9)
+        # Strict FIFO: the waiter queued on the server, granted by the release script.
+        holder = RedisMutex(client, name, ttl=9, local_handoff=0)
+        waiter = RedisMutex(client, name, ttl=9, local_handoff=0)
         held, go = asyncio.Event(), asyncio.Event()
 
         async def hold() -> None:
@@ -152,6 +154,8 @@ async def test_a_set_limit_whose_reply_was_lost_wakes_the_waiter(
 def _side(client: redis.asyncio.Redis, kind: str, name: str, **options: Any) -> LeasedLock:
     if kind == "write":
         return make_sides(client, "rwlock", name, **options)[1].lock
+    if kind == "mutex":  # strict FIFO: the grant by the server's queue, to either client
+        options["local_handoff"] = 0
     return make_sides(client, kind, name, limit=1, **options)[0].lock  # type: ignore[arg-type]
 
 

@@ -113,7 +113,7 @@ async def test_a_waiting_multi_lock_keeps_its_fifo_place(
     holder = RedisMutex(clients[1], "f:a", ttl=5)
     assert await holder.acquire()
     order: list[str] = []
-    probe = QueueProbe(clients[0])
+    probe = QueueProbe(clients[0], local=True)  # m1-m3: behind m0, in its cohort
 
     async def take(lock: Any, label: str) -> None:
         async with lock:

@@ -63,6 +63,8 @@ R = TypeVar("R")
 
 # Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
+# An acquisition that waited for its process's other tasks only (`local_handoff`).
+_LOCAL_MISS = _spec.Miss(unanswered=False, local=True)
 _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
@@ -245,7 +247,7 @@ class LeasedLock(AsyncWithOnly):
         if lease is None or lease.lost or holding.is_lost:
             return
         self._stop_renewal(context, holding)
-        lease.lost = True
+        lease.ended()
         assert self._max_hold is not None
         self._lease_lost(
             holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
@@ -323,6 +325,8 @@ class LeasedLock(AsyncWithOnly):
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 acquired = await cohort.acquire(self, task, blocking, deadline)
+                if not acquired and _last_miss.get() is None:  # (no call to Redis told why)
+                    _last_miss.set(_LOCAL_MISS)
             else:
                 grant = await self._acquire_grant(context, 0, blocking, deadline)
                 acquired = grant is not None

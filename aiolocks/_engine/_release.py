@@ -391,10 +391,13 @@ async def release_until(
     until: float,
     call: Callable[[], Awaitable[bool | None]] | None = None,
     lease: Lease | None = None,
+    first: Callable[[], Awaitable[bool | None]] | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
     validity): past it the answer is UNANSWERED and the release goes on in the background.
-    `call` replaces the release of `spec` (a multi-lock releases several).
+    `call` replaces the release of `spec` (a multi-lock releases several); `first` replaces
+    the first call only, not the clean-up after a cancellation or a timeout (a cohort that
+    asks to keep its lease: cleaning up, it gives it back).
 
     With `lease` (still held by the keeper), the keeper goes on renewing it until the
     release is answered, and the wait follows its validity as renewals move it: a release
@@ -405,16 +408,17 @@ async def release_until(
     `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
     (`_context.Gate`), their validity followed from when they have one."""
     if lease is not None:
-        lease.releasing = True  # the keeper renews it on, but reports no loss of it
+        lease.release_begun()  # the keeper renews it on, but reports no loss of it
     bound: _ValidityBound | None = None
     try:
         # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
         await context.releases.enter()
-        first = release(context, spec, token, ttl_ms) if call is None else call()
+        once = first or call
+        calling = release(context, spec, token, ttl_ms) if once is None else once()
         async with asyncio.timeout(None) as scope:
             try:
                 bound = _ValidityBound(scope, until, lease)
-                return await first
+                return await calling
             finally:
                 context.releases.leave()
                 if bound is not None:

@@ -139,6 +139,32 @@ class Lease:
     def remaining(self) -> float:
         return max(0.0, self.valid_until - _clock.monotonic())
 
+    # Its fields are written here only (the keeper, a release, a cohort call these).
+
+    def renewed(self, sent_at: float) -> None:
+        """A call sent at `sent_at` renewed it: valid a ttl from then, due a third later."""
+        self.valid_until = validity(sent_at, self.ttl)
+        self.next_due = sent_at + self.ttl / 3
+
+    def due_at(self, when: float) -> None:
+        """Renew it at `when` (the keeper goes by it once the lease is held again)."""
+        self.next_due = when
+
+    def release_begun(self) -> None:
+        """Its release is on its way: a loss is the release's to report, not the keeper's."""
+        self.releasing = True
+
+    def kept(self, sent_at: float) -> None:
+        """Its release let the same token keep it (a cohort at its bound with nobody waiting
+        elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
+        self.renewed(sent_at)
+        self.releasing = False
+        self.lost = False
+
+    def ended(self) -> None:
+        """No longer held (lost, or capped by `max_hold`): nothing renews it any more."""
+        self.lost = True
+
 
 class Owner(Protocol):
     """What a holding calls on the lock it belongs to (its lease's two callbacks)."""
@@ -726,8 +752,8 @@ class LeaseKeeper:
                 continue  # released while the renewal was in flight
             outcome = outcomes.leases.get(lease, 1)
             if outcome == 1:
-                lease.valid_until = validity(sent_at, lease.ttl)
-                lease.next_due = lease.queued = sent_at + lease.ttl / 3
+                lease.renewed(sent_at)
+                lease.queued = lease.next_due
                 buckets.setdefault(lease.ttl, []).append(lease)
             elif isinstance(outcome, Exception):
                 self._retry(lease)
@@ -765,7 +791,7 @@ class LeaseKeeper:
     def _lose(self, lease: Lease, reason: str) -> None:
         self._leases.discard(lease)
         lease.queued = None
-        lease.lost = True
+        lease.ended()
         if lease.releasing:
             return  # its release reports it (see `_release.release_until`)
         try:
