@@ -23,7 +23,6 @@ import contextlib
 import functools
 import logging
 import math
-import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, final
 
-from ._base import _spec
+from ._base import _clock, _spec
 from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import REDIS_ERRORS, LockLost, ServerUnavailable, map_redis_errors
@@ -264,7 +263,7 @@ class RedisElection:
             # Vacant now: after every term granted so far (at most the counter, or the
             # clock once it expired) and before any to come (above both: grant_fence).
             return State(None, "", max(int(last), int(clock)), 0, 0.0)
-        lease_end = time.monotonic() + max(0, int(pttl)) / 1000
+        lease_end = _clock.monotonic() + max(0, int(pttl)) / 1000
         return State(text(token), text(value or b""), int(term), int(rev), lease_end)
 
     async def leader(self) -> LeaderInfo | None:
@@ -381,7 +380,7 @@ def parse_message(payload: bytes) -> State | None:
             return State(None, "", int(parts[1]), 0, 0.0)
         if len(parts) >= 5 and parts[3] == b"L":
             value = parts[5].decode() if len(parts) == 6 else ""
-            lease_end = time.monotonic() + int(parts[2]) / 1000
+            lease_end = _clock.monotonic() + int(parts[2]) / 1000
             return State(parts[0].decode(), value, int(parts[1]), int(parts[4]), lease_end)
     except (ValueError, UnicodeDecodeError):
         pass
@@ -549,7 +548,7 @@ class Hub:
         if at is None or self.closed or self._context.closed:
             return  # nothing to watch, or the engine has stopped (its loop is ending)
         loop = asyncio.get_running_loop()
-        delay = max(0.0, at - time.monotonic()) + _MARGIN
+        delay = max(0.0, at - _clock.monotonic()) + _MARGIN
         self._timer = loop.call_later(delay, self._refresh, False)
 
     def _refresh(self, again: bool) -> None:
@@ -587,7 +586,7 @@ def info_fields(state: State) -> dict[str, Any]:
     return {
         "value": state.value,
         "fencing_token": state.fence,
-        "lease_remaining": max(0.0, state.lease_end - time.monotonic()),
+        "lease_remaining": max(0.0, state.lease_end - _clock.monotonic()),
     }
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import time
 from collections import deque
 from typing import Any, Protocol
 
+from .._base import _clock
 from .._base._spec import Grant, Spec
 from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner
 from . import _release
@@ -171,7 +171,7 @@ class Cohort:
         waiter = _LocalWaiter(lock, task)
         self._queue.append(waiter)
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else max(0.0, deadline - _clock.monotonic())
             await asyncio.wait((waiter.future,), timeout=timeout)
         except BaseException:
             await self._abandon(waiter)
@@ -220,7 +220,7 @@ class Cohort:
         self.token = grant.token
         self._next_fence = grant.fence + 1
         self.passes = 0
-        self._chain_start = time.monotonic()
+        self._chain_start = _clock.monotonic()
         give_back = functools.partial(
             _release.release, self._context, self._spec, grant.token, self._ttl_ms
         )
@@ -234,7 +234,7 @@ class Cohort:
         assert self.token is not None and self._lease is not None
         holding = lock._install(task, self.token, fence, self._lease)
         self._holder = (lock, holding)
-        self._held_since = time.monotonic()
+        self._held_since = _clock.monotonic()
 
     def _promote(self) -> None:
         """Make the first waiting task the contender, if nobody is contending or holding."""
@@ -290,7 +290,7 @@ class Cohort:
         has stayed here, and not after a long holding."""
         if self.passes >= self.bound:
             return False
-        now = time.monotonic()
+        now = _clock.monotonic()
         return now - self._chain_start < CHAIN_LIMIT and now - self._held_since < CHAIN_LIMIT
 
     def detach(self, holding: Holding) -> None:
@@ -326,7 +326,7 @@ class Cohort:
         kept: list[tuple[float, int]] = []  # (sent at, next fence) if the script kept it
 
         async def keep_or_return() -> bool | None:
-            sent_at = time.monotonic()
+            sent_at = _clock.monotonic()
             written: list[float] = []
             reply, unsure = await _release.release_reply(
                 context, spec, token, self._ttl_ms, "keep", sent=written.append

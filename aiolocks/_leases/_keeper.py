@@ -27,7 +27,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis.exceptions
 from redis.crc import key_slot
 
-from .._base import _telemetry
+from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import REDIS_ERRORS, cancelling
@@ -138,7 +137,7 @@ class Lease:
 
     @property
     def remaining(self) -> float:
-        return max(0.0, self.valid_until - time.monotonic())
+        return max(0.0, self.valid_until - _clock.monotonic())
 
     # Its fields are written here only (the keeper, a release, a cohort call these).
 
@@ -391,7 +390,7 @@ async def renew(
     deadline = now + min(
         [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
     )
-    deadline = max(deadline, time.monotonic() + _LATE_MIN)  # (this task starts late)
+    deadline = max(deadline, _clock.monotonic() + _LATE_MIN)  # (this task starts late)
     patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
     # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
     # beside a call that is merely slow did more harm than good.
@@ -406,7 +405,7 @@ async def renew(
         if cancelling():
             return None  # shutting down: a dropped socket raced the cancellation
         log.debug("aiolocks: renewal failed: %r", exc)
-        replies, sent_at = [exc] * len(calls), time.monotonic()
+        replies, sent_at = [exc] * len(calls), _clock.monotonic()
     return read_replies(calls, replies), sent_at
 
 
@@ -423,10 +422,10 @@ async def send_hedged(
     busy server) still counts. TimeoutError at `deadline`."""
     pending: dict[asyncio.Future[list[Any]], float] = {}
     failure: Exception | None = None
-    next_try = time.monotonic()
+    next_try = _clock.monotonic()
     try:
         while True:
-            now = time.monotonic()
+            now = _clock.monotonic()
             if now >= deadline:
                 raise failure or TimeoutError("no reply before the leases' validity ended")
             if now >= next_try:
@@ -580,7 +579,7 @@ class LeaseKeeper:
         group.waiters[waiter.token] = waiter
         period = waiter.ttl_ms / 3000.0
         group.period = min(group.period, period)
-        due = time.monotonic() + period
+        due = _clock.monotonic() + period
         if due < group.next_due:
             group.next_due = group.queued = due
             self._push(due, group)
@@ -635,7 +634,7 @@ class LeaseKeeper:
     async def _run(self) -> None:
         idle_since: float | None = None
         while True:
-            now = time.monotonic()
+            now = _clock.monotonic()
             due = self._first_due()
             if due is not None or self._leases or self._groups or self._batches:
                 idle_since = None  # (a lease in flight comes back when its batch settles)
@@ -668,7 +667,7 @@ class LeaseKeeper:
         self._sleeper = loop.create_future()
         handle = None
         if due is not None:
-            handle = loop.call_at(loop.time() + (due - now), _resolve, self._sleeper)
+            handle = loop.call_later(due - now, _resolve, self._sleeper)
         try:
             await self._sleeper
         finally:
@@ -772,7 +771,7 @@ class LeaseKeeper:
             waiter.still_queued(sent_at)  # not granted when the heartbeat ran
 
     def _retry(self, lease: Lease) -> None:
-        now = time.monotonic()
+        now = _clock.monotonic()
         if lease.valid_until <= now:
             self._lose(lease, "Redis could not be reached before the lease ran out")
             return
@@ -785,7 +784,7 @@ class LeaseKeeper:
             return  # its last waiter left meanwhile
         shortest = min(w.ttl_ms for w in group.waiters.values()) / 3000.0
         group.period = shortest
-        due = time.monotonic() + (max(_RETRY_MIN, shortest / 10) if failed else shortest)
+        due = _clock.monotonic() + (max(_RETRY_MIN, shortest / 10) if failed else shortest)
         group.next_due = group.queued = due
         self._push(due, group)
 

@@ -40,7 +40,6 @@ import functools
 import logging
 import os
 import sys
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -60,7 +59,7 @@ except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     HIREDIS = False
     PUSH = ()
 
-from .._base import _adapter
+from .._base import _adapter, _clock
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import (
     CONNECTION_ERRORS,
@@ -232,7 +231,7 @@ class ScriptRunner:
         sent: Callable[[float], None] | None = None,
     ) -> Any:
         if sent is not None:
-            sent(time.monotonic())
+            sent(_clock.monotonic())
         self._sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
@@ -884,7 +883,7 @@ class AutoPipeline:
         """`batch` as RESP, packed by the connection (as redis-py would send each call).
         It is written next: each call's `sent` is told now."""
         parts: list[bytes] = []
-        now = time.monotonic()
+        now = _clock.monotonic()
         for call in batch:
             if call.sent is not None:
                 call.sent(now)
