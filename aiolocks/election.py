@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
 import math
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -419,24 +417,26 @@ class Observer:
         return self._pending.popleft()
 
 
-_hubs: weakref.WeakKeyDictionary[ClientContext, dict[bytes, Hub]] = weakref.WeakKeyDictionary()
+def hubs_of(context: ClientContext) -> dict[bytes, Hub]:
+    """The election hubs of `context`, by channel; stopped when the engine stops on it."""
+    hubs: dict[bytes, Hub] = context.keep("election hubs", dict, _stop_hubs)
+    return hubs
 
 
 def hub_for(context: ClientContext, channel: bytes, watch_key: bytes, read: Read) -> Hub:
     """The hub of the election whose channel is `channel`, on `context` (made on first use)."""
-    hubs = _hubs.get(context)
-    if hubs is None:
-        hubs = _hubs[context] = {}
-        context.on_stop.append(functools.partial(_stop_hubs, context))
+    hubs = hubs_of(context)
     hub = hubs.get(channel)
     if hub is None or hub.closed:
         hub = hubs[channel] = Hub(context, channel, watch_key, read)
     return hub
 
 
-def _stop_hubs(context: ClientContext) -> None:
-    """The engine stopped on `context`: no hub of it arms a timer or reads any more."""
-    for hub in list(_hubs.pop(context, {}).values()):
+def _stop_hubs(hubs: dict[bytes, Hub]) -> None:
+    """The engine stopped on the hubs' client: none arms a timer or reads any more."""
+    stopping = list(hubs.values())
+    hubs.clear()
+    for hub in stopping:
         hub.stop()
 
 
@@ -515,8 +515,8 @@ class Hub:
         if self._retained:
             self._retained = False
             self._context.notifier.release(self._channel)
-        hubs = _hubs.get(self._context)
-        if hubs is not None and hubs.get(self._channel) is self:
+        hubs = hubs_of(self._context)
+        if hubs.get(self._channel) is self:
             del hubs[self._channel]
 
     # -- what changes the state --------------------------------------------------------

@@ -23,7 +23,7 @@ from conftest import Tasks
 
 from aiolocks import LeaderInfo, LockLost, LockTimeout, RedisElection, Term
 from aiolocks._engine._context import context_for
-from aiolocks.election import _hubs
+from aiolocks.election import hubs_of
 from aiolocks.testing import expire_lease, expire_leases
 
 REPLICA = ROOT / "tests" / "workers" / "election_replica.py"
@@ -408,15 +408,15 @@ async def test_observe_closed_or_dropped_leaves_the_subscription(r: redis.asynci
     changes = election.observe()
     assert await changes.__anext__() is None
     context = context_for(r)
-    assert list(_hubs[context]) == [b"aiolocks:election:{scheduler}:wake"]
+    assert list(hubs_of(context)) == [b"aiolocks:election:{scheduler}:wake"]
     await changes.aclose()  # type: ignore[attr-defined]
-    assert not _hubs[context]
+    assert not hubs_of(context)
     with pytest.raises(StopAsyncIteration):
         await changes.__anext__()
     async for info in election.observe():  # a loop left by break: dropped, then cleaned
         assert info is None
         break
-    assert not _hubs[context]
+    assert not hubs_of(context)
 
 
 async def test_an_observed_leaders_timer_ends_when_the_engine_stops(
@@ -432,12 +432,12 @@ async def test_an_observed_leaders_timer_ends_when_the_engine_stops(
         while (info := await asyncio.wait_for(changes.__anext__(), 5)) is None:
             pass
         assert info.value == "a"
-        (hub,) = _hubs[context].values()
+        (hub,) = hubs_of(context).values()
         timer = hub._timer
         assert timer is not None and not timer.cancelled()  # armed at the lease's end
         await context.aclose()
         assert timer.cancelled()
-        assert hub._timer is None and context not in _hubs
+        assert hub._timer is None and not hubs_of(context)
     await changes.aclose()  # type: ignore[attr-defined]
 
 
@@ -475,7 +475,7 @@ async def test_cancellation_at_any_await_leaves_nothing(
     assert await keys_left(r, "scheduler") == {"fence"}
     for election in elections:
         context = context_for(election._probe._client)
-        assert not _hubs.get(context), "an observer was left subscribed"
+        assert not hubs_of(context), "an observer was left subscribed"
         async with election.campaign("after", timeout=BOUND) as term:  # still works
             assert isinstance(term, Term)
 

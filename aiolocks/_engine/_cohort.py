@@ -56,10 +56,6 @@ CHAIN_LIMIT = 0.010
 
 _Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
 
-# Where a context keeps its cohorts (`ClientContext.extensions`): the context, below this
-# module, holds them without knowing their type, and frees them with itself.
-_EXTENSION = "cohorts"
-
 
 class Member(Protocol):
     """What a cohort calls on a lock whose tasks it serves (`LeasedLock` is one)."""
@@ -98,9 +94,7 @@ class _LocalWaiter:
 
 def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
     """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
-    cohorts: dict[_Key, Cohort] | None = context.extensions.get(_EXTENSION)
-    if cohorts is None:
-        cohorts = context.extensions[_EXTENSION] = {}
+    cohorts: dict[_Key, Cohort] = context.keep("cohorts", dict)
     return cohorts
 
 

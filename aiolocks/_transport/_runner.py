@@ -16,7 +16,7 @@ connection also keeps a burst (10,000 tasks trying 1,000 names at once) off the 
 which would otherwise open a connection per command in flight. A call made while the
 client is quiet still goes out at once, alone.
 
-All calls share one connection (a "link", `Link` below, taken from the client's pool):
+All calls share one connection (a "link", `PipeLink` below, taken from the client's pool):
 batches are written at once when the socket takes them, and their replies are read in
 order, so the next batch is written while the previous one's replies are still on their
 way. One connection also keeps the order: a release a cancelled acquirer sends to clean up
@@ -78,7 +78,7 @@ __all__ = [
     "STALL_BOUND",
     "AutoPipeline",
     "Call",
-    "Link",
+    "PipeLink",
     "Pipeline",
     "Replies",
     "ScriptRunner",
@@ -527,14 +527,14 @@ class Pipeline(Protocol):
     link its new batches go to (a link that breaks or retires stops being it), where calls
     to send once more go back, and a flush to schedule once the link can take more."""
 
-    _link: Link | None
+    _link: PipeLink | None
 
     def _requeue(self, again: list[Call]) -> None: ...
 
     def _kick(self) -> None: ...
 
 
-class Link:
+class PipeLink:
     """One pooled connection, the batches written on it and not yet read, and its reader
     (or, when its replies are parsed where they arrive, the task that retires it)."""
 
@@ -808,7 +808,7 @@ class AutoPipeline:
         self._pool = pool
         self._queue: collections.deque[Call] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
-        self._link: Link | None = None
+        self._link: PipeLink | None = None
         self._flushing = False  # a `_flush` is scheduled
         self._closed = False  # `aclose()` was called: no new link is opened
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
@@ -891,7 +891,7 @@ class AutoPipeline:
             parts += connection.pack_command(*command(script, keys, args, by_source=call.by_source))
         return parts
 
-    async def _drain(self, link: Link, writer: asyncio.StreamWriter) -> None:
+    async def _drain(self, link: PipeLink, writer: asyncio.StreamWriter) -> None:
         """Wait until `link`'s socket has taken what `_flush` wrote (redis-py's own bound:
         the connection's socket_timeout); a failure breaks the link, and its reader fails
         (or sends again) the batches on it. Then go on writing."""
@@ -952,7 +952,7 @@ class AutoPipeline:
         finally:
             self._writer = None
 
-    async def _send(self, link: Link, batch: list[Call]) -> None:
+    async def _send(self, link: PipeLink, batch: list[Call]) -> None:
         """Write `batch` on `link`; its reader takes it from there (only once it is all
         written: a reply read before would come from a connection still being opened)."""
         self.batches_sent += 1
@@ -982,13 +982,13 @@ class AutoPipeline:
         if failure is not None and not isinstance(failure, Exception):
             raise failure
 
-    async def _open(self) -> Link:
+    async def _open(self) -> PipeLink:
         if self._closed:
             # A call made after its engine was stopped (a clean-up run while the event loop
             # shuts down): a new link would outlive the loop, its socket left to the GC.
             raise redis.exceptions.ConnectionError("the aiolocks engine of this client was closed")
         connection = await _adapter.pooled_connection(self._pool)
-        link = self._link = Link(self, self._pool, connection)
+        link = self._link = PipeLink(self, self._pool, connection)
         if DIRECT_READS:
             link.read_directly()
         link.reader = asyncio.get_running_loop().create_task(link.read())
