@@ -27,6 +27,7 @@ from aiolocks.election import hubs_of
 from aiolocks.testing import expire_lease, expire_leases
 
 REPLICA = ROOT / "tests" / "workers" / "election_replica.py"
+FENCE_KEEP = 5.0  # FENCE_KEEP_MS in _prelude.lua: a fence counter outlives its last grant this long
 Snapshot = tuple[str, int] | None  # (value, fence) of a leader, None while vacant
 BOUND = 5.0  # the longest any wait for an expected event may take here
 
@@ -365,7 +366,8 @@ async def test_an_observer_stalled_past_the_idle_window_sees_the_leader_gone(
     r: redis.asyncio.Redis, clients: Callable[[], Any], tasks: Tasks
 ) -> None:
     """A leader crashes while the observer's event loop is stalled until every key of the
-    election has expired, the fence counter too (ttl + 1 s): the read then finds no fence
+    election has expired, the fence counter too (max(ttl + 1 s, 5 s), FENCE_KEEP_MS in
+    the prelude): the read then finds no fence
     at all, and must still count as after the term the observer knew, so the observer
     shows the vacancy, once, and goes quiet (no read loop at the old lease end)."""
     ttl = 0.3
@@ -379,7 +381,8 @@ async def test_an_observer_stalled_past_the_idle_window_sees_the_leader_gone(
     await watcher.until_seen(("", holding.fence))
     context_for(crasher._client).keeper.drop(holding.lease)  # as if its process died
     mark = watcher.mark()
-    time.sleep(ttl + 1.0 + 0.3)  # noqa: ASYNC251 (on purpose: the loop stalls past the idle window)
+    # on purpose: the loop stalls past the idle window and the fence counter's keep
+    time.sleep(max(ttl + 1.0, FENCE_KEEP) + 0.3)  # noqa: ASYNC251
     assert await keys_left(r, "scheduler") == set()
     await watcher.until_seen(None, since=mark)
     sent = context_for(observing).commands_sent

@@ -48,8 +48,8 @@ MUTANTS = [
     Mutant(
         "renewal-validity-from-reply",
         "aiolocks/_leases/_keeper.py",
-        "                lease.valid_until = validity(sent_at, lease.ttl)",
-        "                lease.valid_until = validity(_clock.monotonic(), lease.ttl)",
+        "                lease.renewed(sent_at)",
+        "                lease.renewed(_clock.monotonic())",
         "escaped 1: a renewed lease's validity counted from the reply, not the request",
     ),
     Mutant(
@@ -189,15 +189,15 @@ MUTANTS = [
     Mutant(
         "cohort-passes-lapsed-lease",
         "aiolocks/_engine/_cohort.py",
-        "            if lease is not None and lease.remaining <= 0:",
-        "            if lease is not None and lease.remaining < -1.0:",
+        "            valid = lease.remaining > 0",
+        "            valid = lease.valid_until > _clock.monotonic() - 1.0",
         "a cohort passes on a lease whose validity ended",
     ),
     Mutant(
         "cohort-keep-validity-from-reply",
         "aiolocks/_engine/_cohort.py",
-        "        self._lease.valid_until = validity(sent_at, self._lease.ttl)",
-        "        self._lease.valid_until = validity(_clock.monotonic(), self._lease.ttl)",
+        "        lease.kept(sent_at)",
+        "        lease.kept(_clock.monotonic())",
         "a cohort's kept lease counted from the reply",
     ),
     Mutant(
