@@ -69,6 +69,14 @@ def _validate_names(names: object) -> tuple[str, ...]:
     return given
 
 
+def _valid_until(holding: Holding, taken: _Taken | None) -> float | None:
+    """Until when `holding` is known valid: until the first of its names' leases ends."""
+    if holding.lease is None:
+        return None
+    leases = [holding.lease] if taken is None else taken.leases
+    return min((lease.valid_until for lease in leases), default=holding.lease.valid_until)
+
+
 def _all_held(results: Iterable[bool | None]) -> bool | None:
     """One release answer for several names: False if any was not held, None if unsure."""
     answers = list(results)
@@ -301,12 +309,15 @@ class RedisMultiLock(LeasedLock):
     async def _release_surely(
         self, context: ClientContext, holding: Holding
     ) -> bool | _release.Unanswered | None:
-        # Bounded by the leases' validity (aligned), as a mutex's release; not renewed
-        # meanwhile (one release call per name).
+        # Bounded by the validity of its leases, as a mutex's release: by the first to end
+        # (the names are held together only while all are valid; their renewals are
+        # aligned, but not before the first batch is answered: a name whose grant came
+        # late has a shorter validity than one renewed just before). Not renewed meanwhile
+        # (one release call per name).
         self._stop_renewal(context, holding)
         token = holding.token
-        until = None if holding.lease is None else holding.lease.valid_until
-        self._taken.pop(token, None)
+        taken = self._taken.pop(token, None)
+        until = _valid_until(holding, taken)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
             return await _release.completed(call())

@@ -19,21 +19,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # CI's share: about two minutes of seeds on a 2-core machine (`nox -s sweep`: 1-1000).
-# Seed 21 is left out while it shows the open finding below (OPEN_FINDINGS).
-CI_SEEDS = ["1-20", "22-24"]
+CI_SEEDS = ["1-24"]
 CI_DURATION = "20"
 # Seeds that show a bug not fixed yet, with the violation each must still show: a test
 # fails when one stops showing it (fixed: move it to FOUND_SEEDS and back into CI_SEEDS).
-# 21 (since the merge c238901 of the default local hand-off with this round's engine
-# changes): a multi-lock's release answered by the server at once returns only at its
-# lease's validity end (SLOW release, 0.785 s against a bound of 0.49 s), then withdraws.
-# A liveness bound, not a safety one: the server's queue moved on at the answer.
-OPEN_FINDINGS = {"21": "SLOW release multi"}
+OPEN_FINDINGS: dict[str, str] = {}
 # Seeds past CI's range that each found a bug (issue 40): an oracle gap, OWNERLESS BELIEF on
 # 20, 114, 365, 451 (a grant or renewal the server ran before a restart, heard of after it);
 # ORPHANED on 74 (a lease lost at its validity's end given back only when its task released);
 # on 373 a release answered 0.8 s past its validity (a cancellation Python 3.11 swallowed).
-FOUND_SEEDS = ["20", "114", "365", "451", "74", "373"]
+# 21 (in CI's range): a multi-lock's release waited for its first name's lease, not for the
+# first of its leases to end (a name granted by a late reply: SLOW release multi).
+FOUND_SEEDS = ["20", "114", "365", "451", "74", "373", "21"]
 
 
 def _simulate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
