@@ -66,10 +66,10 @@ async def hold_the_examples_locks(
 ) -> list[Any]:
     """The state the page's examples show; returns the locks held by this task."""
     probe = QueueProbe(other)
-    holder = RedisMutex(r, "orders:42")
+    holder = RedisMutex(r, "orders:42", local_handoff=0)  # its fence is the stored one
     assert await holder.acquire()
     for _ in range(2):
-        await tasks.queued(probe, RedisMutex(other, "orders:42").acquire())
+        await tasks.queued(probe, RedisMutex(other, "orders:42", local_handoff=0).acquire())
     free = RedisMutex(r, "orders:7")
     assert await free.acquire()
     await free.release()
