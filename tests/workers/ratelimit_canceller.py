@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import os
 import random
@@ -28,22 +27,9 @@ from typing import Any
 import redis.asyncio
 from _lockworker import emit, run
 from _primitiveworker import barrier
+from ratelimit_user import _replies, spy_on_replies  # one spy on the reservations
 
 from aiolocks import RedisRateLimiter
-
-_replies: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("replies")
-
-
-def spy_on_replies() -> None:
-    """Keep each reservation's reply in the calling task's list."""
-    original = RedisRateLimiter._call
-
-    async def call(self: RedisRateLimiter, context: Any, args: tuple[Any, ...]) -> list[Any]:
-        reply = await original(self, context, args)
-        _replies.get().append(reply)
-        return reply
-
-    RedisRateLimiter._call = call  # type: ignore[method-assign]
 
 
 async def main(argv: list[str]) -> int:
