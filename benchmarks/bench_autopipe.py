@@ -6,7 +6,7 @@
 Modes: `off` sends every script call on its own pooled connection (at most 64 in flight:
 the engine before auto-pipelining; `AIOLOCKS_AUTOPIPELINE=0`), `on` pipelines the calls
 a client's tasks make in one loop iteration (the default). Extra modes for comparison:
-`off-N` is `off` with the in-flight bound lowered to N.
+`off-N` is `off` with the in-flight limit lowered to N.
 
 Workloads (each run in a fresh worker process per mode, modes interleaved, `--rounds`
 times; the median round is reported):
@@ -79,7 +79,7 @@ FIELDS = {
 DECISION = (
     "Auto-pipelining is on by default: it gained where many calls meet (1,000 tasks over "
     "100 names, the 10,000-waiter burst) and cost nothing measurable elsewhere, and the "
-    "burst holds 2 connections instead of 65. Lowering the in-flight bound alone (off-8) "
+    "burst holds 2 connections instead of 65. Lowering the in-flight limit alone (off-8) "
     "cut the connections but lost throughput. RedisCluster clients keep the per-command "
     "path. See docs/benchmarks.md, 'Auto-pipelining'."
 )
