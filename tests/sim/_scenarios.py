@@ -756,3 +756,69 @@ async def cohort_pass_at_the_drift_margin(scene: Scene) -> None:
     scene.start(p, first(), "P1")
     scene.start(p, second(), "P2")
     await asyncio.sleep(6)
+
+
+@scenario
+async def cohort_turns_cancelled_and_handed_over(scene: Scene) -> None:
+    """Issue 45: a task of P's cohort is cancelled in the very step it is handed its turn,
+    once a holding (a local pass) and once the contender's place (the lease went to Q,
+    queued elsewhere): what it was handed goes on to the next task. Then a cohort holding
+    with a task waiting behind it is detached and Q adopts it: P's waiter goes on through
+    Redis, after Q's release."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    scene.run.strict = set()
+    lock = RedisMutex(clients[p], "m", ttl=1.0)
+
+    async def wait_turn(who: str) -> None:
+        hold = await scene.acquire(p, lock, who, timeout=5)
+        await scene.release(p, lock, hold, who)
+
+    async def first(hold_for: float) -> None:
+        hold = await scene.acquire(p, lock, "P1", timeout=5)
+        waiting = scene.start(p, wait_turn("P2"), "P2")
+        scene.start(p, wait_turn("P3"), "P3")
+        await asyncio.sleep(hold_for)
+        await scene.release(p, lock, hold, "P1")
+        waiting.cancel()  # handed its turn in this step: it has not run since
+        scene.world.net.log("P cancels P2 as its turn comes")
+
+    async def queued() -> None:
+        other = RedisMutex(clients[q], "m", ttl=1.0, local_handoff=0)
+        hold = await scene.acquire(q, other, "Q", timeout=5)
+        await asyncio.sleep(0.01)
+        await scene.release(q, other, hold, "Q")
+
+    await scene.start(p, first(0.001), "P1")  # a pass: P2 is handed the holding
+    await asyncio.sleep(0.1)
+    holder = scene.start(p, first(0.1), "P1")  # P2 is made the contender:
+    await asyncio.sleep(0.05)
+    scene.start(q, queued(), "Q")  # Q queues meanwhile, and P1's release hands it to Q
+    await holder
+    await asyncio.sleep(0.5)
+
+    handles: list[Any] = []
+
+    async def detaching() -> None:
+        hold = await scene.acquire(p, lock, "P4", timeout=5)
+        assert hold is not None
+        scene.start(p, wait_turn("P5"), "P5")
+        await asyncio.sleep(0.01)
+        handles.append(lock.detach())
+        scene.world.released(hold)
+        hold.detached = True
+
+    async def adopting() -> None:
+        other = RedisMutex(clients[q], "m", ttl=1.0)
+        await other.adopt(handles[0])
+        task = asyncio.current_task()
+        assert task is not None
+        res = Resource("mutex", ("m",), 1.0)
+        hold = scene.run.record(q, 0, res, other, "", task, adopted=True)
+        hold.task = "Q-adopted"
+        await asyncio.sleep(0.2)
+        await scene.release(q, other, hold, "Q-adopted")
+
+    await scene.start(p, detaching(), "P4")
+    await scene.start(q, adopting(), "Q-adopt")
+    await asyncio.sleep(2)
