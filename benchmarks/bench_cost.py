@@ -210,9 +210,11 @@ def targets(ours: dict[str, dict[str, Any]], table: dict[str, Any]) -> dict[str,
     return {
         name: {
             "ratio": value,
-            "holds": None if value is None else (value <= bound if way == "le" else value >= bound),
+            "holds": None
+            if value is None
+            else (value <= target if way == "le" else value >= target),
         }
-        for name, (value, bound, way) in checks.items()
+        for name, (value, target, way) in checks.items()
     }
 
 
@@ -229,8 +231,8 @@ def default_config(root: Path) -> str:
     found = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
     )
-    bound = int(found.stdout.strip())
-    return "strict FIFO" if bound == 0 else f"local_handoff={bound}"
+    local_handoff = int(found.stdout.strip())
+    return "strict FIFO" if local_handoff == 0 else f"local_handoff={local_handoff}"
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -240,8 +242,8 @@ async def main(args: argparse.Namespace) -> None:
         (f"aiolocks {label} (default: {default_config(root)})", "aiolocks", root)
         for label, root in builds
     ]
-    for bound in args.local_handoff:  # issue 32, item 5: a bounded local hand-off
-        libraries.append((f"aiolocks local_handoff={bound}", LOCAL[bound], HERE.parent))
+    for count in args.local_handoff:  # issue 32, item 5: a local hand-off of N at most
+        libraries.append((f"aiolocks local_handoff={count}", LOCAL[count], HERE.parent))
     ours = len(libraries)
     libraries += [("redis-py Lock", REDISPY, HERE.parent), ("python-redis-lock", PRL, HERE.parent)]
     columns = [column for column, _, _ in libraries]
@@ -312,7 +314,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=50, help="per contending task")
     parser.add_argument(
         "--local-handoff",
-        type=lambda text: [int(bound) for bound in text.split(",")],
+        type=lambda text: [int(count) for count in text.split(",")],
         default=[],
         help="also this build with local_handoff=N, for each N given (0,4,16)",
     )

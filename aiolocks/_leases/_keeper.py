@@ -155,8 +155,8 @@ class Lease:
         self.releasing = True
 
     def kept(self, sent_at: float) -> None:
-        """Its release let the same token keep it (a cohort at its bound with nobody waiting
-        elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
+        """Its release let the same token keep it (a cohort out of local passes, nobody
+        waiting elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
         self.renewed(sent_at)
         self.releasing = False
         self.lost = False
