@@ -600,7 +600,14 @@ class LeaseKeeper:
         if self._leases or self._groups or not self._heap:
             return
         self._heap.clear()  # in place, as in `_push`
-        if self._sleeper is not None and not self._sleeper.done():
+        # Woken only if it would sleep longer than that (until a stale entry's due): one
+        # sleeping till its linger's end anyway is left alone, so a holding after holding
+        # costs no wake-up of the task and no timer.
+        if (
+            self._sleeper is not None
+            and not self._sleeper.done()
+            and self._wake_at > _clock.monotonic() + _IDLE_EXIT
+        ):
             self._sleeper.set_result(None)
 
     def _push(self, due: float, item: _Item) -> None:

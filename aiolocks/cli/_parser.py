@@ -172,11 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "from aiolocks[server])"
             )
         ],
-        help="worker processes incrementing a counter under one RedisMutex, shown live",
-        description="The README's demo: worker processes increment a shared counter, first "
-        "without a lock (updates are lost), then under one RedisMutex, with a live table of "
-        "the holder, the queue, hand-offs and fences read from the server. Exits 1 if an "
-        "update is lost under the lock.",
+        help="worker processes incrementing a counter under one RedisMutex",
+        description="The README's demo (examples/demo.py): worker processes increment a "
+        "shared counter, first without a lock (updates are lost), then under one RedisMutex, "
+        "each acquisition printed with its fence. Exits 1 if an update is lost under the lock.",
     )
     demo.add_argument("--workers", type=_positive, default=4, help="processes (default 4)")
     demo.add_argument(
