@@ -4,9 +4,9 @@
 --   queue   LIST  of members in FIFO order
 --   waiters ZSET  member -> liveness deadline (server ms); a member whose
 --                 deadline has passed belongs to a dead process and is purged.
--- A member is "<token>:<ttl_ms>:<tag>:<kind>": whoever pops it knows the lease to grant;
+-- A member is "<token>:<ttl_ms>:<tag>:<side>": whoever pops it knows the lease to grant;
 -- the tag names the client it waits in, so a client handing on to its own waiter (which
--- it wakes from the script's reply) need not publish; kind is 'x' (exclusive), or 'r' /
+-- it wakes from the script's reply) need not publish; side is 'x' (exclusive), or 'r' /
 -- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 --
@@ -175,8 +175,8 @@ local function keep_all(keys, first, ms)
 end
 
 local function split_member(member)
-  local token, ttl, tag, kind = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
-  return token, ttl, tag, kind
+  local token, ttl, tag, side = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
+  return token, ttl, tag, side
 end
 
 -- Put a member at the tail (once) and refresh its liveness deadline (now + ttl); the queue

@@ -16,7 +16,7 @@ __all__ = ["build_parser"]
 _DESCRIPTION = """\
 Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
 (SCAN, never KEYS), force-release a stuck one (its waiters are woken), run a command while
-holding one, run the demo or the benchmarks; or run a local server to try aiolocks on.
+holding one, run the demo; or run a local server to try aiolocks on.
 Works with a single server (or a Sentinel-managed primary by its address), not a Redis
 Cluster.
 
@@ -172,11 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "from aiolocks[server])"
             )
         ],
-        help="worker processes incrementing a counter under one RedisMutex, shown live",
-        description="The README's demo: worker processes increment a shared counter, first "
-        "without a lock (updates are lost), then under one RedisMutex, with a live table of "
-        "the holder, the queue, hand-offs and fences read from the server. Exits 1 if an "
-        "update is lost under the lock.",
+        help="worker processes incrementing a counter under one RedisMutex",
+        description="The README's demo (examples/demo.py): worker processes increment a "
+        "shared counter, first without a lock (updates are lost), then under one RedisMutex, "
+        "each acquisition printed with its fence. Exits 1 if an update is lost under the lock.",
     )
     demo.add_argument("--workers", type=_positive, default=4, help="processes (default 4)")
     demo.add_argument(
@@ -232,28 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a lost lease, SIGKILL this long after SIGTERM (default 10)",
     )
     run.add_argument("cmd", nargs="*", metavar="-- CMD [ARGS...]")
-
-    bench = commands.add_parser(
-        "bench",
-        help="run a benchmark from benchmarks/ (needs a source checkout)",
-        description="Run one of the benchmarks of the source checkout (benchmarks/ is not "
-        "installed with the package): quick by default, on its own embedded Valkey, its JSON "
-        "written to a temporary file unless --json.",
-    )
-    bench.add_argument(
-        "which",
-        nargs="?",
-        default="mutex",
-        choices=("mutex", "primitives", "peers"),
-        help="bench_<which>.py (default mutex)",
-    )
-    bench.add_argument("--full", action="store_true", help="the full run instead of --quick")
-    bench.add_argument("--json", metavar="PATH", help="where the benchmark writes its JSON")
-    bench.add_argument(
-        "--url",
-        help="benchmark this server instead of an embedded one: it is FLUSHALLed (asks first)",
-    )
-    bench.add_argument("--yes", "-y", action="store_true", help="do not ask before FLUSHALL")
 
     server = commands.add_parser(
         "server",

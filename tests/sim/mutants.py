@@ -111,8 +111,8 @@ MUTANTS = [
     Mutant(
         "rw-writer-beside-reader",
         "aiolocks/_scripts/_rwlock.lua",
-        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)",
-        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 1)",
+        "    return not (side == 'w' and redis.call('ZCARD', k.readers) > 0)",
+        "    return not (side == 'w' and redis.call('ZCARD', k.readers) > 1)",
         "an RW writer is let in beside a single reader",
     ),
     Mutant(
@@ -266,7 +266,7 @@ def apply(mutant: Mutant, root: Path) -> None:
 class Outcome:
     name: str
     caught: bool
-    by: str  # the check (the first violation's kind), or why it survived
+    by: str  # the check that caught it (the first violation's), or why it survived
     where: str  # the scenario or seed
     detail: str
     seconds: float
@@ -294,7 +294,7 @@ def run_one(mutant: Mutant | None, scenarios_first: bool = True, tree: Path = RO
             if result["violations"]:
                 first = result["violations"][0]
                 return Outcome(
-                    name, True, kind_of(first), f"scenario {scenario}", first, _since(started)
+                    name, True, check_of(first), f"scenario {scenario}", first, _since(started)
                 )
         fast = (
             ["--fail-fast"] if "--fail-fast" in (root / "tests/sim/__main__.py").read_text() else []
@@ -302,7 +302,7 @@ def run_one(mutant: Mutant | None, scenarios_first: bool = True, tree: Path = RO
         seeds = _sim(root, env, "--seeds", SEEDS, "--duration", DURATION, *fast)
         seed, first = first_violation(seeds.stdout)
         if first is not None:
-            return Outcome(name, True, kind_of(first), f"seed {seed}", first, _since(started))
+            return Outcome(name, True, check_of(first), f"seed {seed}", first, _since(started))
         if seeds.returncode != 0:
             detail = (seeds.stderr or seeds.stdout)[-300:]
             return Outcome(name, True, "run failed", "seeds", detail, _since(started))
@@ -339,7 +339,7 @@ def first_violation(output: str) -> tuple[str, str | None]:
     return seed, None
 
 
-def kind_of(violation: str) -> str:
+def check_of(violation: str) -> str:
     """The check that reported `violation`: its leading words in capitals (with the
     history's or the server's mark), else the text before its first colon."""
     text = re.sub(r"^t=\S+ ", "", violation)
