@@ -483,29 +483,6 @@ def _scale_calls(data: dict[str, Any]) -> str:
     return "\n\n".join([_machine(data), _table(header, rows)])
 
 
-def _expiry(data: dict[str, Any]) -> str:
-    runs = {
-        "Redis 7.0, before (fences and limits never expired)": "redis_before",
-        "Redis 7.0, after": "redis_after",
-        "Valkey, after": "valkey_after",
-    }
-    rows = [
-        (
-            label,
-            row["kind"],
-            _num(row["names"]),
-            _num(row["after_release"]["keys"]),
-            _num(row["after_release"]["memory_bytes"] / 1e6, 2),
-            _num(row["after_idle_window"]["keys"]),
-            _num(row["after_idle_window"]["memory_bytes"] / 1e6, 2),
-        )
-        for label, key in runs.items()
-        for row in data.get(key, [])
-    ]
-    header = ("run", "kind", "names", "keys after", "MB after", "keys idle", "MB idle")
-    return _table(header, rows)
-
-
 def _default_mutex(data: dict[str, Any]) -> str:
     """bench_peers.py --runs 3 over the acquire loops: the first run's figures per library,
     then every target with what each run measured."""
@@ -647,7 +624,6 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "sync": _sync,
     "cost": _cost,
     "default_mutex": _default_mutex,
-    "expiry": _expiry,
     "scale": _scale,
     "scale_burst": _scale_burst,
     "scale_calls": _scale_calls,

@@ -55,10 +55,12 @@ MUTANTS = [
     Mutant(
         "free-grant-short-lease",
         "aiolocks/_scripts/mutex_acquire.lua",
-        "  -- The uncontended path: free, nobody queued.\n"
-        "  redis.call('SET', owner, token, 'PX', ttl)",
-        "  -- The uncontended path: free, nobody queued.\n"
-        "  redis.call('SET', owner, token, 'PX', math.floor(tonumber(ttl) * 0.9))",
+        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  redis.call('SET', owner, token, 'PX', ttl)\n"
+        "  return",
+        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  redis.call('SET', owner, token, 'PX', math.floor(tonumber(ttl) * 0.9))\n"
+        "  return",
         "escaped 2: the free-mutex grant sets a shorter lease on the server than the client's",
     ),
     Mutant(
@@ -87,8 +89,8 @@ MUTANTS = [
     Mutant(
         "fence-ignores-counter",
         "aiolocks/_scripts/_prelude.lua",
-        "  local base = math.max(stored, now)\n",
-        "  local base = now\n",
+        "  elseif stored < now then\n",
+        "  else\n",
         "escaped 6: a fence from the clock alone, ignoring the stored counter",
     ),
     # -- scripts ------------------------------------------------------------------------
@@ -199,6 +201,15 @@ MUTANTS = [
         "        lease.kept(sent_at)",
         "        lease.kept(_clock.monotonic())",
         "a cohort's kept lease counted from the reply",
+    ),
+    Mutant(
+        "cohort-ignores-time-bound",
+        "aiolocks/_engine/_leasedlock.py",
+        "        return now - self._chain_start < CHAIN_BOUND"
+        " and now - self._held_since < CHAIN_BOUND",
+        "        return True",
+        "a cohort passes locally past its 10 ms (the count its only bound): a waiter elsewhere"
+        " waits up to 16 holdings of any length",
     ),
     Mutant(
         "cohort-loss-untold",
