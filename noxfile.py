@@ -1,6 +1,7 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
 (`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`,
 `sweep` the simulation on seeds 1-1000, `mutants` the simulation's mutation score,
+`simcoverage` the engine's branch coverage under CI's simulation,
 `compat` the compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
@@ -141,6 +142,14 @@ def sweep(session: nox.Session) -> None:
     jobs = str(os.cpu_count() or 1)
     command = ["python", "-m", "tests.sim", "--duration", "20", "--jobs", jobs, *args]
     session.run(*command, env={"PYTHONHASHSEED": "0"})
+
+
+@nox.session
+def simcoverage(session: nox.Session) -> None:
+    """The engine's branch coverage under CI's simulation (its scenarios and seeds), and
+    each branch of the cohort, the release and the lease keeper no run took."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "tests.sim.branches", *session.posargs)
 
 
 @nox.session

@@ -203,6 +203,15 @@ MUTANTS = [
         "a cohort's kept lease counted from the reply",
     ),
     Mutant(
+        "cohort-ignores-time-bound",
+        "aiolocks/_engine/_cohort.py",
+        "        return now - self._chain_start < CHAIN_BOUND"
+        " and now - self._held_since < CHAIN_BOUND",
+        "        return True",
+        "a cohort passes locally past its 10 ms (the count its only bound): a waiter elsewhere"
+        " waits up to 16 holdings of any length",
+    ),
+    Mutant(
         "cohort-loss-untold",
         "aiolocks/_engine/_cohort.py",
         "            lock, holding = holder\n            lock._lease_lost(holding, reason)",
