@@ -31,7 +31,8 @@ simulator saw the granting or renewing request written on its connection:
   of a grant), nor after a holding of 10 ms, nor past the count.
 
 Excused, each where it is checked: a restart without persistence (`_restart_excuse`: a
-belief from before it lasts until the holder's next renewal tells it, ttl/3 after). The
+belief from before it lasts until the holder's next renewal tells it, ttl/3 after; the
+overlap checks go by `server_ran`, when the server ran the grant a belief rests on). The
 simulation has no replica failover with data loss; a server clock stepped back keeps every
 key.
 """
@@ -346,6 +347,18 @@ class Oracle:
                 f"(valid until {valid - 1000:.4f}) but the server "
                 + ("has no lease of its token" if deadline is None else "ended its lease"),
             )
+
+    def server_ran(self, hold: Hold) -> float:
+        """When the server ran what `hold`'s belief rests on, by its own record: for each
+        name, its token's last grant or extension run by the time the holding began; the
+        oldest of them (the holding's start if there is none)."""
+        runs = []
+        for name in hold.names:
+            exts = self.ext.get((lease_key(hold.kind, name), hold.token), ())
+            ran = [e.run for e in exts if e.run <= hold.start]
+            if ran:
+                runs.append(max(ran))
+        return min(runs, default=hold.start)
 
     def _restart_excuse(self, hold: Hold, lease: Any) -> bool:
         """The documented gap of a restart without persistence: a holder granted before it

@@ -340,12 +340,14 @@ class World:
 
     def since(self, hold: Hold) -> float:
         """When the oldest lease of `hold` was granted (a multi-lock takes its names one by
-        one: a name may be held from before a restart the rest were taken after)."""
+        one: a name may be held from before a restart the rest were taken after), or the
+        server ran it, if earlier (a grant run before a restart that emptied the server,
+        its reply heard after it: the holder learns of the loss at its next renewal)."""
         firsts = [
             self.recorder.validity.get(id(lease), [(hold.start, 0.0)])[0][0]
             for lease in hold.leases
         ]
-        return min([hold.start, *firsts])
+        return min([hold.start, self.oracle.server_ran(hold), *firsts])
 
     def _restart_gap(self, holds: list[Hold], at: float) -> bool:
         """The documented gap: a holder from before a restart learns of it at its next
