@@ -17,6 +17,7 @@ from _servers import ServerProcess
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._leases import _keeper
 from aiolocks._leases._keeper import _IDLE_EXIT, BATCH, Lease
 from aiolocks._leases._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
@@ -279,3 +280,27 @@ def test_a_keep_answered_late_never_moves_a_renewed_lease_back() -> None:
     assert not lease.releasing and not lease.lost
     lease.kept(started + 2.5)  # a keep sent after it does extend it
     assert lease.valid_until > renewed_until
+
+
+async def test_a_renewal_answered_after_the_validity_ended_reports_the_loss(
+    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal sent with little validity left waits at least `_LATE_MIN` for its reply:
+    answered after the validity ended, the holder ran unsure of its lease meanwhile, so the
+    loss is reported, not the lease taken up again (sim seed 695: a multi-lock's name went
+    on from a reply 2.5 ms past its validity, never told)."""
+    lock = RedisMutex(client, "late-renewal", ttl=3)
+    assert await lock.acquire()
+    (lease,) = leases_of([lock])
+    keeper = context_for(client).keeper
+    send = keeper._send
+
+    async def answered_late(calls: list[Any]) -> list[Any]:
+        await asyncio.sleep(lease.valid_until - time.monotonic() + 0.005)  # past its validity
+        return await send(calls)
+
+    monkeypatch.setattr(keeper, "_send", answered_late)
+    monkeypatch.setattr(_keeper, "_LATE_MIN", 1.0)  # (so a loaded machine keeps the order)
+    lease.valid_until = time.monotonic() + 0.05
+    renew_now(client, [lease])
+    await asyncio.wait_for(holding_lost(lock).wait(), 2)  # (renewed, it would hold 3 s)

@@ -757,11 +757,16 @@ class LeaseKeeper:
         sent_at: float,
     ) -> None:
         buckets: dict[float, list[Lease]] = {}  # renewed, by ttl: due together from now on
+        now = _clock.monotonic()
         for lease in leases:
             if lease not in self._leases or lease.lost:
                 continue  # released while the renewal was in flight
             outcome = outcomes.leases.get(lease, 1)
-            if outcome == 1:
+            if lease.valid_until <= now:
+                # Answered after its validity ended (a batch waits at least _LATE_MIN): the
+                # holder ran unsure of it meanwhile, so it is lost, as if never answered.
+                self._lose(lease, "Redis could not be reached before the lease ran out")
+            elif outcome == 1:
                 lease.renewed(sent_at)
                 lease.queued = lease.next_due
                 buckets.setdefault(lease.ttl, []).append(lease)
