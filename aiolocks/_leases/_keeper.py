@@ -721,8 +721,7 @@ class LeaseKeeper:
 
     def _take(self, lease: Lease, now: float, horizon: float, leases: list[Lease]) -> None:
         lease.queued = None
-        if lease.valid_until <= now:
-            self._lose(lease, "Redis could not be reached before the lease ran out")
+        if self._lapsed(lease, now):
             return
         moved = min(lease.next_due, lease.valid_until)
         if moved > horizon:  # renewed meanwhile by other means (a cohort keeping it)
@@ -762,11 +761,9 @@ class LeaseKeeper:
             if lease not in self._leases or lease.lost:
                 continue  # released while the renewal was in flight
             outcome = outcomes.leases.get(lease, 1)
-            if lease.valid_until <= now:
-                # Answered after its validity ended (a batch waits at least _LATE_MIN): the
-                # holder ran unsure of it meanwhile, so it is lost, as if never answered.
-                self._lose(lease, "Redis could not be reached before the lease ran out")
-            elif outcome == 1:
+            if outcome == 1:
+                if self._lapsed(lease, now):
+                    continue  # answered after its validity ended (a batch waits _LATE_MIN)
                 lease.renewed(sent_at)
                 lease.queued = lease.next_due
                 buckets.setdefault(lease.ttl, []).append(lease)
@@ -787,8 +784,7 @@ class LeaseKeeper:
 
     def _retry(self, lease: Lease) -> None:
         now = _clock.monotonic()
-        if lease.valid_until <= now:
-            self._lose(lease, "Redis could not be reached before the lease ran out")
+        if self._lapsed(lease, now):
             return
         lease.next_due = now + max(_RETRY_MIN, min(lease.ttl / 10, lease.remaining / 2))
         due = lease.queued = min(lease.next_due, lease.valid_until)
@@ -802,6 +798,14 @@ class LeaseKeeper:
         due = _clock.monotonic() + (max(_RETRY_MIN, shortest / 10) if failed else shortest)
         group.next_due = group.queued = due
         self._push(due, group)
+
+    def _lapsed(self, lease: Lease, now: float) -> bool:
+        """Whether `lease`'s validity has ended by `now`: then it is lost, whatever a renewal
+        answered after that says (its holder ran unsure of it meanwhile)."""
+        if lease.valid_until > now:
+            return False
+        self._lose(lease, "Redis could not be reached before the lease ran out")
+        return True
 
     def _lose(self, lease: Lease, reason: str) -> None:
         self._leases.discard(lease)

@@ -154,9 +154,9 @@ MUTANTS = [
     Mutant(
         "lapsed-lease-renewed",
         "aiolocks/_leases/_keeper.py",
-        "        lease.queued = None\n        if lease.valid_until <= now:\n",
-        "        lease.queued = None\n        if lease.valid_until <= now - lease.ttl:\n",
-        "a lease whose validity ended is sent for renewal instead of reported lost",
+        "        if lease.valid_until > now:\n            return False\n",
+        "        if lease.valid_until > now - lease.ttl:\n            return False\n",
+        "a lease whose validity ended is sent for renewal, or taken up again by a late reply",
     ),
     Mutant(
         "renewal-waits-past-validity",
