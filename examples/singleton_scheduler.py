@@ -109,7 +109,11 @@ async def main(replica: str, url: str) -> None:
     )
     client = redis.Redis.from_url(url)
     try:
-        await asyncio.gather(lead_or_follow(client, replica), follow(client))
+        # A task group, not gather: on Ctrl-C it waits for both tasks to end (the leader
+        # resigns) before the client is closed; a closed client is used no more.
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(lead_or_follow(client, replica))
+            tasks.create_task(follow(client))
     finally:
         await client.aclose()
 

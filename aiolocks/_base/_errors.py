@@ -34,6 +34,8 @@ except ImportError:  # valkey-py is optional (the `valkey` extra)
 
 __all__ = [
     "AccessDenied",
+    "ClientClosed",
+    "EngineClosed",
     "LockError",
     "LockLost",
     "LockNotOwned",
@@ -134,6 +136,20 @@ class AccessDenied(LockError):
     password, an ACL `NOPERM`): a configuration error, not worth retrying as it is."""
 
 
+class ClientClosed(LockError):
+    """The Redis client was closed (`aclose()`, `close()`, the end of `async with client`)
+    while the call was under way: a wait ends with it at once, and a holding is reported
+    lost (`LockLost`). The engine makes no call on a client its user closed."""
+
+
+class EngineClosed(Exception):
+    """Raised by the engine's runner for a call made after its client was closed (internal:
+    `map_redis_errors` makes it `ClientClosed`, naming the primitive)."""
+
+
+CLIENT_CLOSED = "the Redis client was closed (aclose()) while it was under way"
+
+
 def _access_cause(exc: Exception) -> str:
     text = str(exc)
     if isinstance(exc, NOPERMISSION_ERRORS):
@@ -175,6 +191,8 @@ class map_redis_errors:
 
 
 def _translated(name: str, exc: Exception) -> Exception | None:
+    if isinstance(exc, EngineClosed):
+        return ClientClosed(name, CLIENT_CLOSED)
     if isinstance(exc, (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS)):
         return AccessDenied(name, f"Redis refused access: {_access_cause(exc)}")
     if isinstance(exc, INVALID_RESPONSE_ERRORS):

@@ -774,6 +774,12 @@ class LeaseKeeper:
         except Exception:  # a holder's callback must never kill the keeper
             log.exception("aiolocks: lease-lost callback failed")
 
+    def lose_all(self, reason: str) -> None:
+        """Report every lease held lost, for `reason` (its client was closed: none can be
+        renewed or released any more); a lease being released is its release's to report."""
+        for lease in list(self._leases):
+            self._lose(lease, reason)
+
     async def aclose(self) -> None:
         self._leases.clear()
         self._groups.clear()
