@@ -241,6 +241,7 @@ class RedisRateLimiter(AsyncWithOnly):
         "_most",
         "_name",
         "_settings",
+        "_shown",
         "_spec",
         "_stamp",
         "_stats",
@@ -273,6 +274,7 @@ class RedisRateLimiter(AsyncWithOnly):
         self._limits = limits
         self._most = min(burst for _, _, burst, _ in limits)  # the largest cost
         self._settings = _arguments(limits)
+        self._shown = tuple((rate, per, burst) for rate, per, burst, _ in limits)
         self._stamp = stamp
 
     def _adopt(self, state: bytes | str) -> None:
@@ -350,22 +352,34 @@ class RedisRateLimiter(AsyncWithOnly):
         if not blocking:
             timeout = 0.0
         refused: list[float] = []
+        counters = self._spec.counters
+        limit = _telemetry.LimitCall(self._shown)
 
-        async def call() -> bool:
-            wait = await self._reserve(timeout, cost)
-            if wait is not None:
-                refused.append(wait)
-            return wait is None
+        async def call(_blocking: bool, _timeout: float | None) -> bool:
+            wait = await self._reserve(timeout, cost, limit)
+            if wait is None:
+                counters.acquisitions += 1
+                return True
+            refused.append(wait)
+            if timeout != 0:  # one try refused is busy, not a timeout
+                counters.timeouts += 1
+            return False
 
         try:
-            await _telemetry.observe_call(self, blocking, timeout, call)
+            if _telemetry.recorder is not None:
+                await _telemetry.observe(self, blocking, timeout, call, limit)
+            else:
+                await call(blocking, timeout)
         finally:
             if refused and timeout == 0:
                 self._stats[1] += 1
         return refused[0] if refused else None
 
-    async def _reserve(self, timeout: float | None, cost: int) -> float | None:
-        """One script call; then, if reserved, sleep until the slot."""
+    async def _reserve(
+        self, timeout: float | None, cost: int, limit: _telemetry.LimitCall
+    ) -> float | None:
+        """One script call; then, if reserved, sleep until the slot. Says in `limit` which
+        limit set the slot and how far it was."""
         context = context_for(self._client)
         max_wait = -1 if timeout is None else math.floor(timeout * 1e6)
         args = (cost, max_wait, self._stamp, *self._settings)
@@ -386,7 +400,10 @@ class RedisRateLimiter(AsyncWithOnly):
             raise self._refusal(reply, cost)
         if status >= 2:  # under the stored limits, newer than this instance's: use them
             self._adopt(reply[2 if status == 2 else 3])
+            limit.limits = self._shown
         delay = int(reply[1])
+        binding = int(reply[2 if status in (0, 3) else 5])
+        limit.binding, limit.delay = (binding - 1 if binding else None), delay / 1e6
         if status in (0, 3):
             return delay / 1e6
         if delay > 0:

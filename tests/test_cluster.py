@@ -92,7 +92,7 @@ async def test_hand_offs_wake_only_the_owning_shard(
             grown = [a - b for a, b in zip(after, before, strict=True)]
             assert grown == [5 if node == index else 0 for node in range(3)], (name, grown)
         # The waiting client keeps one pub/sub connection per node it waited on.
-        assert len(context_for(other).notifier._subscriptions._links) == 3
+        assert len(context_for(other).notifier._links) == 3
     finally:
         await other.aclose()
 

@@ -28,7 +28,7 @@ from _servers import ServerProcess
 from aiolocks import LockLost, RedisMutex, RedisSemaphore
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
-from aiolocks._waiting import _subscriptions as subscriptions_module
+from aiolocks._waiting import _notifier as notifier_module
 from aiolocks._waiting._waitqueue import WaitQueue
 from aiolocks.mutex import _RELEASE as MUTEX_RELEASE
 from aiolocks.semaphore import _ACQUIRE as SEM_ACQUIRE
@@ -290,14 +290,14 @@ async def test_a_semaphore_waiter_wakes_at_the_earliest_lease_end(
 async def test_channels_that_leave_together_leave_no_stale_confirmation(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(subscriptions_module, "_LINGER", 0.05)
+    monkeypatch.setattr(notifier_module, "_LINGER", 0.05)
     client = redis.asyncio.Redis.from_url(server.url)
     admin = redis.asyncio.Redis.from_url(server.url)
     try:
         await admin.flushall()
         context = context_for(client)
         notifier = context.notifier
-        subscriptions = notifier._subscriptions
+        subscriptions = notifier
         channels = [f"aiolocks:mutex:{{leave-{i}}}:wake".encode() for i in range(20)]
         for channel in channels:
             await notifier.retain(channel, None)

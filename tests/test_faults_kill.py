@@ -20,7 +20,7 @@ from conftest import VARIANTS, ServerPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from aiolocks._waiting._pubsub import _Once
+from aiolocks._waiting._notifier import _Once
 
 pytestmark = pytest.mark.faults
 

@@ -119,7 +119,7 @@ async def test_a_least_privilege_acl_user_runs_every_primitive(
     try:
         await _exercise(clients, f"acl-{keyspace}")
         # CONFIG GET denied means notifications off (and no denied keyspace subscription).
-        facts = context_for(clients[1]).notifier._subscriptions._facts
+        facts = context_for(clients[1]).notifier._facts
         assert facts is not None and facts.result().keyspace is keyspace
         # Nothing beyond its own keys, channels and commands.
         user = clients[0]

@@ -31,10 +31,12 @@ from opentelemetry.trace import StatusCode
 import aiolocks
 import aiolocks.otel
 from aiolocks import (
+    Limit,
     LockLost,
     LockReentry,
     LockTimeout,
     RedisMutex,
+    RedisRateLimiter,
     RedisReadWriteLock,
     RedisSemaphore,
 )
@@ -329,6 +331,50 @@ async def test_semaphore_and_rwlock_kinds(
         assert len(telemetry.spans(f"aiolocks.acquire {kind}")) == spans
         assert len(telemetry.spans(f"aiolocks.hold {kind}")) == spans
     assert rw.write().statistics().handoffs == 2 and rw.read().statistics().handoffs == 0
+
+
+async def test_a_rate_limiter_reports_its_limits_and_the_one_that_bound(
+    telemetry: Telemetry, client: redis.asyncio.Redis
+) -> None:
+    """Spans carry the limits (rate, per, burst: an array each) and, when a limit set the
+    slot, which (its index) and how far; metrics the limits as one string and the index."""
+    limits = [Limit(20, per=1.0, burst=2), Limit(3, per=60.0, burst=3)]
+    limiter = RedisRateLimiter(client, "api", limits=limits)
+    assert await limiter.acquire(blocking=False) and await limiter.acquire(blocking=False)
+    assert await limiter.acquire(timeout=1)  # ~50 ms: the first limit sets the slot
+    assert not await limiter.acquire(blocking=False)  # the minute's: 3 taken, ~20 s away
+    spans = [_attributes(span) for span in telemetry.spans("aiolocks.acquire ratelimit")]
+    assert len(spans) == 4, spans
+    for span in spans:
+        assert span["aiolocks.ratelimit.rate"] == (20.0, 3.0), span
+        assert span["aiolocks.ratelimit.per"] == (1.0, 60.0)
+        assert span["aiolocks.ratelimit.burst"] == (2, 3)
+    assert (
+        "aiolocks.ratelimit.binding" not in spans[0] and "aiolocks.ratelimit.delay" not in spans[1]
+    )
+    assert spans[2]["aiolocks.ratelimit.binding"] == 0, spans[2]
+    assert 0 < spans[2]["aiolocks.ratelimit.delay"] <= 0.05, spans[2]
+    assert spans[3]["aiolocks.ratelimit.binding"] == 1, spans[3]
+    assert 15 < spans[3]["aiolocks.ratelimit.delay"] <= 20, spans[3]
+    shown = "20/1s burst 2, 3/60s burst 3"
+    wait = "aiolocks.acquire.wait"
+    assert (
+        telemetry.count(wait, aiolocks_ratelimit_limits=shown, aiolocks_acquire_outcome="acquired")
+        == 3
+    )
+    busy = telemetry.points(wait, aiolocks_acquire_outcome="busy")
+    assert len(busy) == 1 and dict(busy[0].attributes or {}) == {
+        KIND: "ratelimit",
+        NAME: "api",
+        OUTCOME: "busy",
+        "aiolocks.ratelimit.limits": shown,
+        "aiolocks.ratelimit.binding": 1,
+    }
+    # an instance that adopts a change reports the limits it used
+    await limiter.set_limits(rate=50, burst=5)
+    assert await RedisRateLimiter(client, "api", rate=1, burst=1).acquire(blocking=False)
+    last = _attributes(telemetry.spans("aiolocks.acquire ratelimit")[-1])
+    assert last["aiolocks.ratelimit.rate"] == (50.0,) and last["aiolocks.ratelimit.burst"] == (5,)
 
 
 async def test_name_attribute_off_keeps_names_out_of_metrics_only(

@@ -77,7 +77,7 @@ class Spec:
     # Builds the error for a refused acquisition (`Status.REFUSED`), given the stored
     # value; primitives that store configuration set it.
     refused: Callable[[int], Exception] | None = None
-    # The instance's cumulative counts (`statistics()`), kept by `_telemetry`'s hooks.
+    # The instance's cumulative counts (`statistics()`), kept where each event happens.
     counters: _telemetry.Counters = field(default_factory=_telemetry.Counters, compare=False)
 
 

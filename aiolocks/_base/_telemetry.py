@@ -1,10 +1,12 @@
-"""The engine's event hooks: local counters always, metrics and spans only when asked for.
+"""The engine's event hooks: metrics and spans, only when asked for; and each instance's
+counters.
 
-The engine calls the `on_*` functions (and `observe_acquire` wraps `acquire`) at a few
-points: acquire, release, hand-off, lease renewal, lease loss. They keep each instance's
-cumulative counters (read by `statistics()`) and pass the event on to `recorder` when
-`aiolocks.otel.instrument()` has installed one. With none installed the cost is a None
-test, and nothing imports OpenTelemetry. A recorder that fails is logged, never raised:
+The engine keeps each instance's cumulative `Counters` (read by `statistics()`) itself,
+where each event happens. It calls the `on_*` functions (and `observe` around `acquire`)
+at a few points (acquire, release, hand-off, lease renewal, lease loss) only when
+`aiolocks.otel.instrument()` has installed a `recorder`, to which they pass the event on.
+With none installed the cost is a None test at the call site, no call into this module,
+and nothing imports OpenTelemetry. A recorder that fails is logged, never raised:
 telemetry must not break a lock, nor the lease keeper that calls it.
 """
 
@@ -14,7 +16,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol
 
 from ._keys import parse_key
 
@@ -29,10 +31,10 @@ __all__ = [
     "LockView",
     "Recorder",
     "LeaseView",
+    "LimitCall",
     "SpecView",
     "describe",
-    "observe_acquire",
-    "observe_call",
+    "observe",
     "on_handoff",
     "on_lease_lost",
     "on_release",
@@ -45,12 +47,13 @@ log = logging.getLogger("aiolocks")
 # How an acquire() call ended.
 ACQUIRED, TIMEOUT, BUSY, CANCELLED, ERROR = "acquired", "timeout", "busy", "cancelled", "error"
 
-AcquireCall = Callable[["LockView", bool, "float | None"], Awaitable[bool]]
-F = TypeVar("F", bound=Callable[..., Awaitable[bool]])
+AcquireCall = Callable[[bool, "float | None"], Awaitable[bool]]
 
 
 class Counters:
-    """Cumulative counts of one primitive instance since it was made (`statistics()`)."""
+    """Cumulative counts of one primitive instance since it was made (`statistics()`),
+    kept where each event happens (a lock's `acquire` and lease losses, the releases'
+    `_release.handed_off`, the rate limiter's acquire), recorder or none."""
 
     __slots__ = ("acquisitions", "handoffs", "leases_lost", "timeouts")
 
@@ -105,6 +108,19 @@ class LeaseView(Protocol):
     def keys(self) -> tuple[bytes, ...]: ...
 
 
+class LimitCall:
+    """What a rate limiter's acquire() adds to its report: its limits, (rate, per, burst)
+    each, as used by the call; the limit that set the slot (0-based; None: a slot free at
+    once) and the seconds until that slot (slept for, or refused for)."""
+
+    __slots__ = ("binding", "delay", "limits")
+
+    def __init__(self, limits: tuple[tuple[float, float, int], ...]) -> None:
+        self.limits = limits
+        self.binding: int | None = None
+        self.delay = 0.0
+
+
 class Recorder(Protocol):
     """What `instrument()` installs; every method is called on the event loop."""
 
@@ -112,10 +128,15 @@ class Recorder(Protocol):
         """An acquire() call began; the returned handle comes back to `acquire_ended`."""
 
     def acquire_ended(
-        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
+        self,
+        handle: object,
+        lock: LockView,
+        outcome: str,
+        error: BaseException | None,
+        limit: LimitCall | None,
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
-        task holds `lock`."""
+        task holds `lock` (a rate limiter's: `limit` says what bound the call)."""
 
     def released(self, spec: SpecView, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""
@@ -134,64 +155,38 @@ recorder: Recorder | None = None
 """The installed recorder; None (the default) means telemetry is off."""
 
 
-def observe_acquire(method: F) -> F:
-    """Wrap `LeasedLock.acquire`: count its outcome and, if a recorder is on, report it."""
-    call = cast(AcquireCall, method)
-
-    @functools.wraps(call)
-    async def acquire(lock: LockView, blocking: bool = True, timeout: float | None = None) -> bool:
-        active = recorder
-        if active is not None:
-            return await _observed(active, call, lock, blocking, timeout)
-        acquired = await call(lock, blocking, timeout)
-        _tally(lock, acquired, blocking, timeout)
-        return acquired
-
-    return cast(F, acquire)
-
-
-async def observe_call(
-    lock: LockView, blocking: bool, timeout: float | None, run: Callable[[], Awaitable[bool]]
+async def observe(
+    lock: LockView,
+    blocking: bool,
+    timeout: float | None,
+    acquire: AcquireCall,
+    limit: LimitCall | None = None,
 ) -> bool:
-    """Count the outcome of `run()`, an acquisition of `lock` that is not a `LeasedLock`'s
-    (the rate limiter's), and report it as `observe_acquire` does."""
+    """Report `acquire(blocking, timeout)`, an acquisition of `lock` (which counts it in
+    `lock`'s counters itself), to the installed recorder; called only when one is. A rate
+    limiter's `acquire` fills in `limit`."""
     active = recorder
-    if active is not None:
-        return await _observed(active, lambda _l, _b, _t: run(), lock, blocking, timeout)
-    acquired = await run()
-    _tally(lock, acquired, blocking, timeout)
-    return acquired
-
-
-async def _observed(
-    active: Recorder, call: AcquireCall, lock: LockView, blocking: bool, timeout: float | None
-) -> bool:
+    if active is None:
+        return await acquire(blocking, timeout)
     try:
         handle = active.acquire_started(lock)
     except Exception:
         log.exception("aiolocks: telemetry recorder failed")
-        acquired = await call(lock, blocking, timeout)
-        _tally(lock, acquired, blocking, timeout)
-        return acquired
+        return await acquire(blocking, timeout)
     try:
-        acquired = await call(lock, blocking, timeout)
+        acquired = await acquire(blocking, timeout)
     except BaseException as exc:
         outcome = CANCELLED if isinstance(exc, asyncio.CancelledError) else ERROR
-        _safely(active.acquire_ended, handle, lock, outcome, exc)
+        _safely(active.acquire_ended, handle, lock, outcome, exc, limit)
         raise
-    _safely(active.acquire_ended, handle, lock, _tally(lock, acquired, blocking, timeout), None)
-    return acquired
-
-
-def _tally(lock: LockView, acquired: bool, blocking: bool, timeout: float | None) -> str:
-    counters = lock._spec.counters
     if acquired:
-        counters.acquisitions += 1
-        return ACQUIRED
-    if not blocking or timeout == 0:  # one try, refused: busy, not a timeout
-        return BUSY
-    counters.timeouts += 1
-    return TIMEOUT
+        outcome = ACQUIRED
+    elif not blocking or timeout == 0:  # one try, refused: busy, not a timeout
+        outcome = BUSY
+    else:
+        outcome = TIMEOUT
+    _safely(active.acquire_ended, handle, lock, outcome, None, limit)
+    return acquired
 
 
 def on_release(spec: SpecView, token: str) -> None:
@@ -202,18 +197,15 @@ def on_release(spec: SpecView, token: str) -> None:
 
 
 def on_handoff(spec: SpecView, count: int, *, local: bool = False) -> None:
-    """A release let `count` waiters in (it may be 0): by the release script's grants, or
-    `local`ly, a `local_handoff` cohort passing its lease to its next task."""
-    if count:
-        spec.counters.handoffs += count
-        active = recorder
-        if active is not None:
-            _safely(active.handed_off, spec, count, local)
+    """A release let `count` waiters in: by the release script's grants, or `local`ly, a
+    `local_handoff` cohort passing its lease to its next task."""
+    active = recorder
+    if active is not None:
+        _safely(active.handed_off, spec, count, local)
 
 
 def on_lease_lost(spec: SpecView, token: str) -> None:
     """The lease of holding `token` was lost (found by renewal, or at release)."""
-    spec.counters.leases_lost += 1
     active = recorder
     if active is not None:
         _safely(active.lease_lost, spec, token)

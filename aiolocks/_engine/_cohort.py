@@ -26,7 +26,6 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from .._base import _telemetry
 from .._base._spec import Grant, Spec
 from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, validity
 from . import _release
@@ -311,7 +310,7 @@ class Cohort:
     def _pass(self, waiter: _LocalWaiter, releaser: Spec) -> None:
         fence, self._next_fence = self._next_fence, self._next_fence + 1
         self.passes += 1
-        _telemetry.on_handoff(releaser, 1, local=True)
+        _release.handed_off(releaser, 1, local=True)
         self._give(waiter.lock, waiter.task, fence)
         waiter.future.set_result(_Turn.HOLD)
 
@@ -330,7 +329,7 @@ class Cohort:
         status = reply.status
         if status is not Released.KEPT:
             _release.wake_granted(context, spec, reply.grants, sent_at)
-            _telemetry.on_handoff(releaser, len(reply.grants))
+            _release.handed_off(releaser, len(reply.grants))
             self._let_go()
             self._promote()
             return None if unsure and status is Released.NOT_HELD else status is Released.HELD

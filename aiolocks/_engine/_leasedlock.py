@@ -277,7 +277,9 @@ class LeasedLock(AsyncWithOnly):
 
     def _lease_lost(self, holding: Holding, reason: str) -> None:
         holding.mark_lost(reason)
-        _telemetry.on_lease_lost(self._spec, holding.token)
+        self._spec.counters.leases_lost += 1
+        if _telemetry.recorder is not None:
+            _telemetry.on_lease_lost(self._spec, holding.token)
         if self._holdings.get(holding.task) is holding:
             holding.cancel_body()
         if self._on_lost is not None:
@@ -288,7 +290,6 @@ class LeasedLock(AsyncWithOnly):
 
     # -- acquire / release -------------------------------------------------------------
 
-    @_telemetry.observe_acquire
     async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Acquire for the current task; False if not blocking and busy, or on timeout.
 
@@ -296,6 +297,12 @@ class LeasedLock(AsyncWithOnly):
         one try, the same as `blocking=False`. Raises `LockReentry` if the current task
         already holds this instance.
         """
+        if _telemetry.recorder is not None:
+            return await _telemetry.observe(self, blocking, timeout, self._counted_acquire)
+        return await self._counted_acquire(blocking, timeout)
+
+    async def _counted_acquire(self, blocking: bool, timeout: float | None) -> bool:
+        """`acquire`, its outcome counted for `statistics()`."""
         if timeout is not None:  # (None, the common case, needs no check)
             timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
@@ -317,14 +324,19 @@ class LeasedLock(AsyncWithOnly):
         try:
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
-                return await cohort.acquire(self, task, blocking, deadline)
-            grant = await self._acquire_grant(context, 0, blocking, deadline)
+                acquired = await cohort.acquire(self, task, blocking, deadline)
+            else:
+                grant = await self._acquire_grant(context, 0, blocking, deadline)
+                acquired = grant is not None
+                if grant is not None:
+                    self._hold(context, task, grant)
         finally:
             self._waiting -= 1
-        if grant is None:
-            return False
-        self._hold(context, task, grant)
-        return True
+        if acquired:
+            self._spec.counters.acquisitions += 1
+        elif blocking:  # (timeout=0 is blocking=False by now): a timeout, not busy
+            self._spec.counters.timeouts += 1
+        return acquired
 
     async def _acquire_grant(
         self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
@@ -426,7 +438,8 @@ class LeasedLock(AsyncWithOnly):
         """
         holding = self._take_holding()
         self._uncap(holding)
-        _telemetry.on_release(self._spec, holding.token)
+        if _telemetry.recorder is not None:
+            _telemetry.on_release(self._spec, holding.token)
         in_cohort = self._local_handoff and is_cohort_token(holding.token)
         if holding.is_lost:
             lost = open_context(self._client)  # None: its client was closed since
@@ -477,7 +490,9 @@ class LeasedLock(AsyncWithOnly):
     def _lost_at_release(self, holding: Holding, reason: str) -> LockLost:
         """The release found `holding`'s lease lost: recorded, and the error to raise."""
         holding.mark_lost(reason)
-        _telemetry.on_lease_lost(self._spec, holding.token)
+        self._spec.counters.leases_lost += 1
+        if _telemetry.recorder is not None:
+            _telemetry.on_lease_lost(self._spec, holding.token)
         return self._lost_error(holding)
 
     # -- hand-over to another process --------------------------------------------------
@@ -503,7 +518,8 @@ class LeasedLock(AsyncWithOnly):
             if cohort is not None:
                 cohort.detach(holding)  # drops the lease from the keeper if it is the cohort's
         self._stop_renewal(context, holding)
-        _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
+        if _telemetry.recorder is not None:
+            _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)
 
     async def adopt(self, handle: LockHandle) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "give_back_lost",
     "granted_in",
     "granting",
+    "handed_off",
     "release",
     "release_reply",
     "release_surely",
@@ -128,9 +129,19 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
     wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
-    _telemetry.on_handoff(spec, len(reply.grants))
+    handed_off(spec, len(reply.grants))
     held = reply.status is Released.HELD
     return None if unsure and not held else held
+
+
+def handed_off(spec: Spec, count: int, *, local: bool = False) -> None:
+    """A release let `count` waiters in (it may be 0): by the release script's grants, or
+    `local`ly, a `local_handoff` cohort passing its lease to its next task. Counted for
+    `statistics()`, and told to the telemetry recorder if one is installed."""
+    if count:
+        spec.counters.handoffs += count
+        if _telemetry.recorder is not None:
+            _telemetry.on_handoff(spec, count, local=local)
 
 
 # The retry policy of every release and clean-up, decided here only:

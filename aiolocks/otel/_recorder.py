@@ -14,7 +14,16 @@ from opentelemetry import metrics, trace
 from opentelemetry.util.types import AttributeValue
 
 from .. import __version__
-from .._base._telemetry import ACQUIRED, ERROR, TIMEOUT, LeaseView, LockView, SpecView, describe
+from .._base._telemetry import (
+    ACQUIRED,
+    ERROR,
+    TIMEOUT,
+    LeaseView,
+    LimitCall,
+    LockView,
+    SpecView,
+    describe,
+)
 
 __all__ = ["OtelRecorder"]
 
@@ -22,6 +31,15 @@ SCOPE = "aiolocks"
 KIND, NAME, OUTCOME = "aiolocks.lock.kind", "aiolocks.lock.name", "aiolocks.acquire.outcome"
 RENEWAL_OUTCOME, FENCE, WAIT = "aiolocks.renewal.outcome", "aiolocks.fence", "aiolocks.acquire.wait"
 LOCAL = "aiolocks.handoff.local"
+# A rate limiter's: its limits (spans: one array each, a limit per item; metrics: one
+# string), and the limit that set the slot (its index in them) and how far the slot was.
+RATES, PERIODS, BURSTS = (
+    "aiolocks.ratelimit.rate",
+    "aiolocks.ratelimit.per",
+    "aiolocks.ratelimit.burst",
+)
+LIMITS, BINDING = "aiolocks.ratelimit.limits", "aiolocks.ratelimit.binding"
+DELAY = "aiolocks.ratelimit.delay"
 ERROR_TYPE = "error.type"  # the semantic-conventions attribute for a failure's class
 # Waits and holds range from a hand-off on loopback (under a millisecond) to minutes.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -118,13 +136,20 @@ class OtelRecorder:
         return _Acquiring(kind, span, self._metric_attributes(lock._spec.renew_keys[0]))
 
     def acquire_ended(
-        self, handle: object, lock: LockView, outcome: str, error: BaseException | None
+        self,
+        handle: object,
+        lock: LockView,
+        outcome: str,
+        error: BaseException | None,
+        limit: LimitCall | None,
     ) -> None:
         assert isinstance(handle, _Acquiring)
         now = time.perf_counter()
         wait = now - handle.started
-        attributes = {**handle.attributes, OUTCOME: outcome}
         span_attributes: dict[str, AttributeValue] = {OUTCOME: outcome, WAIT: wait}
+        if limit is not None:
+            _limit_attributes(limit, handle.attributes, span_attributes)
+        attributes = {**handle.attributes, OUTCOME: outcome}
         span = handle.span
         if outcome == ERROR and error is not None:
             attributes[ERROR_TYPE] = span_attributes[ERROR_TYPE] = type(error).__qualname__
@@ -177,6 +202,25 @@ class OtelRecorder:
             self._renewals.add(
                 1, {**self._metric_attributes(lease.keys[0]), RENEWAL_OUTCOME: outcome}
             )
+
+
+def _limit_attributes(
+    limit: LimitCall,
+    metric: dict[str, AttributeValue],
+    span: dict[str, AttributeValue],
+) -> None:
+    """A rate limiter's call: its limits on the span (rate, per, burst: an array each) and
+    in the metrics (one string, "350/10s burst 17, 10000/3600s burst 500"); the limit that
+    set the slot (its index) on both, and the seconds to the slot on the span."""
+    span[RATES] = [rate for rate, _, _ in limit.limits]
+    span[PERIODS] = [per for _, per, _ in limit.limits]
+    span[BURSTS] = [burst for _, _, burst in limit.limits]
+    metric[LIMITS] = ", ".join(
+        f"{rate:g}/{per:g}s burst {burst}" for rate, per, burst in limit.limits
+    )
+    if limit.binding is not None:
+        metric[BINDING] = span[BINDING] = limit.binding
+        span[DELAY] = limit.delay
 
 
 def _histogram(
