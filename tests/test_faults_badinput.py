@@ -22,6 +22,7 @@ from _servers import ServerProcess, free_port
 from aiolocks import (
     LimitMismatch,
     LockError,
+    LockLost,
     LockNotOwned,
     LockReentry,
     RedisMutex,
@@ -456,12 +457,16 @@ async def test_an_infinite_timeout_means_no_timeout(client: redis.asyncio.Redis)
 
 async def test_a_closed_client_is_reopened_by_redis_py(client: redis.asyncio.Redis) -> None:
     """Not bad input either: redis-py opens new connections for a client used after
-    `aclose()`, so its locks keep working (and keep their guarantees)."""
-    mutex = RedisMutex(client, N)
+    `aclose()`, so new calls work (and keep their guarantees). What was held when it was
+    closed is lost (issue 40: a closed client stays closed for what was under way): never
+    released on the closed client, its lease ends on the server by its ttl."""
+    mutex = RedisMutex(client, N, ttl=1)
     assert await mutex.acquire()
     await client.aclose()
+    assert mutex.lost.is_set()
     assert await RedisMutex(client, N).acquire(blocking=False) is False  # still held
-    await mutex.release()
+    with pytest.raises(LockLost):
+        await mutex.release()
     fresh = RedisMutex(client, N)
-    assert await fresh.acquire(blocking=False)
+    assert await fresh.acquire(timeout=5)  # once the lost lease's ttl ran out
     await fresh.release()
