@@ -625,11 +625,17 @@ class LeasedLock(AsyncWithOnly):
             assert self._timeout is not None
             miss = _last_miss.get()
             raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
+        self._enter_body()
+        return self
+
+    def _enter_body(self) -> None:
+        """The current task's holding enters its `async with` body: a loss cancels the body,
+        and `__aexit__` takes that cancellation back (the web integrations call it after
+        their own `acquire()`, a refusal costing no `LockTimeout`)."""
         holding = self._holdings[current_task()]
         holding.body = True
         if holding.is_lost:  # lost before the body even started
             holding.cancel_body()
-        return self
 
     async def __aexit__(
         self,

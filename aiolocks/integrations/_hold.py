@@ -12,12 +12,10 @@ import asyncio
 import logging
 import math
 import string
-from collections.abc import AsyncIterator, Collection, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TypedDict
-
-import anyio
 
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import AccessDenied, LockError, LockLost, LockTimeout, ServerUnavailable
@@ -28,6 +26,7 @@ from ..semaphore import RedisSemaphore, _validate_limit
 
 __all__ = [
     "HeldLock",
+    "Holding",
     "LockOptions",
     "LockPolicy",
     "NameTemplate",
@@ -192,76 +191,93 @@ class LockPolicy:
         status_code(self.busy_status, "busy_status", 400)
         status_code(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx
 
-    def make(
-        self, client: AnyRedis, name: str, scope: anyio.CancelScope
-    ) -> RedisMutex | RedisSemaphore:
-        def on_lost(_lost: LockLost) -> None:
-            scope.cancel()  # like the body of `async with`: the work stops at the loss
-
+    def make(self, client: AnyRedis, name: str) -> RedisMutex | RedisSemaphore:
         if self.limit is None:
-            return RedisMutex(client, name, ttl=self.ttl, prefix=self.prefix, on_lost=on_lost)
-        return RedisSemaphore(
-            client, name, limit=self.limit, ttl=self.ttl, prefix=self.prefix, on_lost=on_lost
-        )
+            return RedisMutex(client, name, ttl=self.ttl, prefix=self.prefix)
+        return RedisSemaphore(client, name, limit=self.limit, ttl=self.ttl, prefix=self.prefix)
 
-    @asynccontextmanager
-    async def hold(self, client: object, name: str, request: object) -> AsyncIterator[HeldLock]:
-        """Hold the lock `name` around the body; raise `Refusal` if it cannot be had, or
-        if its lease was lost (the body is cancelled at the loss, like `async with`).
-        (`request`: unused, a rate limit's per-request limits read it.)"""
-        client = ensure_async_client(client)
+    def hold(self, client: object, name: str, request: object) -> Holding:
+        """Hold the lock `name` around the body (`async with`); raise `Refusal` if it
+        cannot be had, or if its lease was lost (the body is cancelled at the loss, as the
+        lock's own `async with` does). (`request`: unused, a rate limit's per-request
+        limits read it.)"""
+        return Holding(self, client, name)
+
+
+class Holding:
+    """One request's holding: the lock's own `async with` (its body cancelled at a loss,
+    `LockLost` at its exit), what it cannot have turned into a `Refusal`. A class, not a
+    generator: one is made per request."""
+
+    __slots__ = ("client", "lock", "name", "policy")
+
+    def __init__(self, policy: LockPolicy, client: object, name: str) -> None:
+        self.policy = policy
+        self.client = client
+        self.name = name
+        self.lock: RedisMutex | RedisSemaphore | None = None
+
+    async def __aenter__(self) -> HeldLock:
+        policy, name = self.policy, self.name
+        client = ensure_async_client(self.client)
         try:
             validate_name(name, "lock name")
         except ValueError as exc:
             raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
-        scope = anyio.CancelScope()
-        lock = self.make(client, name, scope)
+        self.lock = lock = policy.make(client, name)
         try:
-            if self.timeout == 0:  # one try, no subscription
+            if policy.timeout == 0:  # one try, no subscription
                 acquired = await lock.acquire(blocking=False)
             else:
-                acquired = await lock.acquire(timeout=self.timeout)
+                acquired = await lock.acquire(timeout=policy.timeout)
         except (ServerUnavailable, AccessDenied) as exc:
             raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
         if not acquired:
-            waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
+            waited = "" if policy.timeout == 0 else f" within {policy.timeout:g} s"
             # Who holds it is not known here (another request, a worker, a script): say
             # only what is.
-            if self.limit is None:
+            if policy.limit is None:
                 busy = f"{name!r} is held elsewhere"
             else:
-                busy = f"{name!r} has all {self.limit} of its slots held"
+                busy = f"{name!r} has all {policy.limit} of its slots held"
             message = f"{busy}; not acquired{waited}"
-            raise Refusal(self.busy_status, "lock_busy", name, message)
+            raise Refusal(policy.busy_status, "lock_busy", name, message)
+        lock._enter_body()  # as the lock's own `async with`: a loss cancels the body
         token = lock.fencing_token
         assert token is not None
-        held = HeldLock(name, token, lock.lost, lock)
-        try:
-            with scope:
-                yield held
-        except BaseException as exc:
-            await self._release(lock, exc)
-            raise
-        await self._release(lock, None)
+        return HeldLock(lock.name, token, lock.lost, lock)
 
-    async def _release(
-        self, lock: RedisMutex | RedisSemaphore, raised: BaseException | None
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        raised: BaseException | None,
+        traceback: TracebackType | None,
     ) -> None:
-        """Release `lock`; a lost lease becomes a `Refusal` (unless the request is being
-        cancelled: nobody is left to answer, and the cancellation must go on)."""
+        """Release; a lost lease becomes a `Refusal` (and a body cancelled at the loss
+        ends there), unless the request is being cancelled from outside: nobody is left
+        to answer, and that cancellation must go on."""
+        lock = self.lock
+        assert lock is not None
         try:
-            await lock.release()
+            await lock.__aexit__(exc_type, raised, traceback)
         except LockLost as lost:
-            if isinstance(raised, asyncio.CancelledError):
+            if _cancelled_from_outside():
                 log.warning("aiolocks: %s (the request was cancelled)", lost)
                 return
             message = (
                 f"the lease on {lock.name!r} was lost while the request ran ({lost.reason}); "
                 "its work may have overlapped another holder's"
             )
-            refusal = Refusal(self.lost_status, "lock_lost", lock.name, message)
+            refusal = Refusal(self.policy.lost_status, "lock_lost", lock.name, message)
             raise refusal from (raised or lost)
         except (ServerUnavailable, AccessDenied) as exc:
-            if isinstance(raised, asyncio.CancelledError):
+            if _cancelled_from_outside():
                 return
             raise Refusal(503, "lock_unavailable", lock.name, exc.reason) from exc
+
+
+def _cancelled_from_outside() -> bool:
+    """The current task has a cancellation pending that is not a loss's (the lock's exit
+    took back the one a loss made)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -17,9 +17,9 @@ This module imports FastAPI: install the `fastapi` extra. (No `from __future__ i
 annotations` here: FastAPI reads the dependency signatures at run time.)
 """
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Annotated, Any, TypeVar, Unpack
+from typing import Annotated, Any, TypeVar, Unpack, cast
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
@@ -127,46 +127,75 @@ def _dependency(
     state_key: str,
     hold: Callable[[Any, str, Request], AbstractAsyncContextManager[T]],
 ) -> Callable[..., Awaitable[T]]:
-    """The dependency holding `hold(client, name)` around each request."""
+    """The dependency holding `hold(client, name)` around each request's endpoint."""
     if client is not None:
         ensure_async_client(client)  # TypeError, naming what is accepted
     if not isinstance(state_key, str) or not state_key.isidentifier():
         raise ValueError(f"state_key must be an identifier, got {state_key!r}")
+
+    # One plain dependency (no generator, no sub-dependency for a template's name: each
+    # level costs FastAPI a round of dependency solving per request). The holding goes on
+    # the exit stack FastAPI keeps for scope-"function" dependencies, so whatever scope
+    # the user's `Depends(...)` gives, it ends when the endpoint returns, before the
+    # response exists: a loss found at release still answers `lost_status`.
+    async def held(request: Request, lock_name: str) -> T:
+        stack = request.scope.get("fastapi_function_astack")
+        if stack is None:
+            raise RuntimeError(
+                "aiolocks' request dependencies need FastAPI 0.121 or later (its "
+                "scope-'function' exit stack was not found in the request scope)"
+            )
+        redis_client = client if client is not None else _client_of(request, state_key)
+        holding = _Answered(hold(redis_client, lock_name, request))
+        return cast(T, await stack.enter_async_context(holding))
+
     if isinstance(name, str):
-        name_dependency: NameDependency = _from_template(NameTemplate(name))
-    elif callable(name):
-        name_dependency = name
-    else:
+        lock_name = _from_template(NameTemplate(name))
+
+        async def from_template(request: Request) -> T:
+            return await held(request, lock_name(request))
+
+        return from_template
+    if not callable(name):
         raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
 
-    async def holding(
-        request: Request, lock_name: Annotated[str, Depends(name_dependency)]
-    ) -> AsyncIterator[T]:
-        redis_client = client if client is not None else _client_of(request, state_key)
+    async def from_dependency(request: Request, lock_name: Annotated[str, Depends(name)]) -> T:
+        return await held(request, lock_name)
+
+    return from_dependency
+
+
+class _Answered:
+    """A holding whose `Refusal` (entering, or at the release) is FastAPI's HTTPException."""
+
+    __slots__ = ("holding",)
+
+    def __init__(self, holding: AbstractAsyncContextManager[Any]) -> None:
+        self.holding = holding
+
+    async def __aenter__(self) -> Any:
         try:
-            async with hold(redis_client, lock_name, request) as held:
-                yield held
+            return await self.holding.__aenter__()
         except Refusal as refusal:
-            raise HTTPException(
-                refusal.status, detail=refusal.body, headers=refusal.headers
-            ) from refusal
+            raise _http(refusal) from refusal
 
-    # The user's `Depends(...)` sees a plain function, so whatever scope it gives (the
-    # default "request" exits after the response has been sent), the holding itself
-    # is always of scope "function": released when the endpoint returns, before the
-    # response exists, so a loss found at release still answers `lost_status`.
-    async def held(value: Annotated[T, Depends(holding, scope="function")]) -> T:
-        return value
-
-    return held
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        try:
+            return await self.holding.__aexit__(*exc_info)
+        except Refusal as refusal:
+            raise _http(refusal) from refusal
 
 
-def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]]:
+def _http(refusal: Refusal) -> HTTPException:
+    return HTTPException(refusal.status, detail=refusal.body, headers=refusal.headers)
+
+
+def _from_template(template: NameTemplate) -> Callable[[Request], str]:
     # Per route: the template's fields taken from the query string (those the route
     # declares as query parameters); checked on the route's first request.
     query_fields: dict[int, tuple[object, frozenset[str]]] = {}
 
-    async def lock_name(request: Request) -> str:
+    def lock_name(request: Request) -> str:
         route = request.scope.get("route")
         known = query_fields.get(id(route))
         if known is None or known[0] is not route:
@@ -179,7 +208,7 @@ def _from_template(template: NameTemplate) -> Callable[[Request], Awaitable[str]
         try:
             return template.fill(request.path_params, from_query)
         except Refusal as refusal:
-            raise HTTPException(refusal.status, detail=refusal.body) from None
+            raise _http(refusal) from None
 
     return lock_name
 
