@@ -108,13 +108,18 @@ async def main(replica: str, url: str) -> None:
         signal.SIGTERM, signal.raise_signal, signal.SIGINT
     )
     client = redis.Redis.from_url(url)
+    tasks = [
+        asyncio.create_task(lead_or_follow(client, replica)),
+        asyncio.create_task(follow(client)),
+    ]
     try:
-        # A task group, not gather: on Ctrl-C it waits for both tasks to end (the leader
-        # resigns) before the client is closed; a closed client is used no more.
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(lead_or_follow(client, replica))
-            tasks.create_task(follow(client))
+        await asyncio.gather(*tasks)
     finally:
+        # The tasks end first (the leader resigns; 2 s at most: the server may be gone
+        # too), then the client closes: a closed client is used no more.
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=2)
         await client.aclose()
 
 

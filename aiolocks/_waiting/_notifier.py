@@ -370,6 +370,13 @@ class Notifier:
                     await reader
             await self._drop_idle(link)
         self._links.clear()
+        # A reference dropped later (a wait ending after its client was closed) finds no
+        # channel: it arms no linger, and nothing unsubscribes on a closed connection.
+        for channel in self._channels.values():
+            if channel.linger is not None:
+                channel.linger.cancel()
+        self._channels.clear()
+        self._by_keyspace.clear()
 
     # -- the reader of a link, and what it reads -----------------------------------------
 
