@@ -20,18 +20,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
 import math
-import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, final
 
-from ._base import _spec
+from ._base import _clock, _spec
 from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import REDIS_ERRORS, LockLost, ServerUnavailable, map_redis_errors
@@ -264,7 +261,7 @@ class RedisElection:
             # Vacant now: after every term granted so far (at most the counter, or the
             # clock once it expired) and before any to come (above both: grant_fence).
             return State(None, "", max(int(last), int(clock)), 0, 0.0)
-        lease_end = time.monotonic() + max(0, int(pttl)) / 1000
+        lease_end = _clock.monotonic() + max(0, int(pttl)) / 1000
         return State(text(token), text(value or b""), int(term), int(rev), lease_end)
 
     async def leader(self) -> LeaderInfo | None:
@@ -381,7 +378,7 @@ def parse_message(payload: bytes) -> State | None:
             return State(None, "", int(parts[1]), 0, 0.0)
         if len(parts) >= 5 and parts[3] == b"L":
             value = parts[5].decode() if len(parts) == 6 else ""
-            lease_end = time.monotonic() + int(parts[2]) / 1000
+            lease_end = _clock.monotonic() + int(parts[2]) / 1000
             return State(parts[0].decode(), value, int(parts[1]), int(parts[4]), lease_end)
     except (ValueError, UnicodeDecodeError):
         pass
@@ -420,24 +417,26 @@ class Observer:
         return self._pending.popleft()
 
 
-_hubs: weakref.WeakKeyDictionary[ClientContext, dict[bytes, Hub]] = weakref.WeakKeyDictionary()
+def hubs_of(context: ClientContext) -> dict[bytes, Hub]:
+    """The election hubs of `context`, by channel; stopped when the engine stops on it."""
+    hubs: dict[bytes, Hub] = context.keep("election hubs", dict, _stop_hubs)
+    return hubs
 
 
 def hub_for(context: ClientContext, channel: bytes, watch_key: bytes, read: Read) -> Hub:
     """The hub of the election whose channel is `channel`, on `context` (made on first use)."""
-    hubs = _hubs.get(context)
-    if hubs is None:
-        hubs = _hubs[context] = {}
-        context.on_stop.append(functools.partial(_stop_hubs, context))
+    hubs = hubs_of(context)
     hub = hubs.get(channel)
     if hub is None or hub.closed:
         hub = hubs[channel] = Hub(context, channel, watch_key, read)
     return hub
 
 
-def _stop_hubs(context: ClientContext) -> None:
-    """The engine stopped on `context`: no hub of it arms a timer or reads any more."""
-    for hub in list(_hubs.pop(context, {}).values()):
+def _stop_hubs(hubs: dict[bytes, Hub]) -> None:
+    """The engine stopped on the hubs' client: none arms a timer or reads any more."""
+    stopping = list(hubs.values())
+    hubs.clear()
+    for hub in stopping:
         hub.stop()
 
 
@@ -516,8 +515,8 @@ class Hub:
         if self._retained:
             self._retained = False
             self._context.notifier.release(self._channel)
-        hubs = _hubs.get(self._context)
-        if hubs is not None and hubs.get(self._channel) is self:
+        hubs = hubs_of(self._context)
+        if hubs.get(self._channel) is self:
             del hubs[self._channel]
 
     # -- what changes the state --------------------------------------------------------
@@ -549,7 +548,7 @@ class Hub:
         if at is None or self.closed or self._context.closed:
             return  # nothing to watch, or the engine has stopped (its loop is ending)
         loop = asyncio.get_running_loop()
-        delay = max(0.0, at - time.monotonic()) + _MARGIN
+        delay = max(0.0, at - _clock.monotonic()) + _MARGIN
         self._timer = loop.call_later(delay, self._refresh, False)
 
     def _refresh(self, again: bool) -> None:
@@ -587,7 +586,7 @@ def info_fields(state: State) -> dict[str, Any]:
     return {
         "value": state.value,
         "fencing_token": state.fence,
-        "lease_remaining": max(0.0, state.lease_end - time.monotonic()),
+        "lease_remaining": max(0.0, state.lease_end - _clock.monotonic()),
     }
 
 

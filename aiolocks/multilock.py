@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import secrets
-import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, final
 
-from ._base import _spec
+from ._base import _clock, _spec
 from ._base._clients import AnyRedis, is_cluster
 from ._base._errors import LockLost, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, validate_name
@@ -69,6 +67,14 @@ def _validate_names(names: object) -> tuple[str, ...]:
         twice = sorted({name for name in given if given.count(name) > 1})
         raise ValueError(f"names must be distinct; given more than once: {twice}")
     return given
+
+
+def _valid_until(holding: Holding, taken: _Taken | None) -> float | None:
+    """Until when `holding` is known valid: until the first of its names' leases ends."""
+    if holding.lease is None:
+        return None
+    leases = [holding.lease] if taken is None else taken.leases
+    return min((lease.valid_until for lease in leases), default=holding.lease.valid_until)
 
 
 def _all_held(results: Iterable[bool | None]) -> bool | None:
@@ -147,7 +153,7 @@ class RedisMultiLock(LeasedLock):
     ) -> _spec.Grant | None:
         """Take every name, all or none: at once when all are free (single server), else
         one by one in sorted order, each as a mutex."""
-        token = secrets.token_hex(16)
+        token = _clock.token_hex(16)
         taken = _Taken()
         grants: list[_spec.Grant] = []
         miss = _spec.Miss(unanswered=False)
@@ -177,7 +183,7 @@ class RedisMultiLock(LeasedLock):
         if len(grants) == len(self._specs) and taken.lost_reason is None:
             due = min(lease.next_due for lease in taken.leases)
             for lease in taken.leases:
-                lease.next_due = due  # renewed together from now on: one batch
+                lease.due_at(due)  # renewed together from now on: one batch
                 context.keeper.hold(lease)  # (held already: the keeper takes the new due)
             self._taken[token] = taken
             return _spec.Grant(token, grants[0].fence, grants[0].granted_at)
@@ -199,26 +205,20 @@ class RedisMultiLock(LeasedLock):
         left (the late-grant check of `_acquire`): [] too, the names then confirmed one by
         one (the mutex script re-arms a name the token holds)."""
         keys = tuple(key for spec in self._specs for key in spec.keys)
-        sent_at = time.monotonic()
+        sent_at = _clock.monotonic()
 
         async def call() -> Any:
             with map_redis_errors(self._name):
                 return await context.run(_TRY_ALL, keys, (token, self._ttl_ms))
 
-        pending = call()
-        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
+        in_flight = _release.InFlight(call(), context)
         try:
-            shielded = pending if in_flight is None else asyncio.shield(in_flight)
-            if deadline is None:
-                reply = await shielded
-            else:
-                reply = await asyncio.wait_for(shielded, max(0.0, deadline - sent_at))
+            reply = await in_flight.reply(deadline)
         except BaseException as exc:
             # The script may have run: give back whatever the token may hold (after its
             # reply), awaited up to the deadline (a little past it), then in the background.
             taken.unconfirmed = True
-            after = None if in_flight is None else _release.settled(in_flight)
-            await self._give_back(context, token, taken, deadline, after)
+            await self._give_back(context, token, taken, deadline, in_flight.after())
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
                 return None
             raise
@@ -267,7 +267,7 @@ class RedisMultiLock(LeasedLock):
         taken.fences.clear()
         taken.unconfirmed = False
         if specs:
-            until = None if deadline is None else max(deadline, time.monotonic()) + _release.GRACE
+            until = None if deadline is None else max(deadline, _clock.monotonic()) + _release.GRACE
             await _release.withdraw(
                 context, specs[0], token, self._ttl_ms, until,
                 call=functools.partial(self._release_all, context, specs, token), after=after,
@@ -309,12 +309,15 @@ class RedisMultiLock(LeasedLock):
     async def _release_surely(
         self, context: ClientContext, holding: Holding
     ) -> bool | _release.Unanswered | None:
-        # Bounded by the leases' validity (aligned), as a mutex's release; not renewed
-        # meanwhile (one release call per name).
+        # Bounded by the validity of its leases, as a mutex's release: by the first to end
+        # (the names are held together only while all are valid; their renewals are
+        # aligned, but not before the first batch is answered: a name whose grant came
+        # late has a shorter validity than one renewed just before). Not renewed meanwhile
+        # (one release call per name).
         self._stop_renewal(context, holding)
         token = holding.token
-        until = None if holding.lease is None else holding.lease.valid_until
-        self._taken.pop(token, None)
+        taken = self._taken.pop(token, None)
+        until = _valid_until(holding, taken)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
             return await _release.completed(call())

@@ -11,7 +11,7 @@ from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._base._query import query
 from ._base._telemetry import Counters
-from ._engine._cohort import MAX_LOCAL_HANDOFF
+from ._engine._cohort import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF
 from ._engine._leasedlock import LeasedLock
 from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 from ._scripts import Script, load
@@ -74,6 +74,8 @@ class RedisMutex(LeasedLock):
       acquired may release (a holding of a task that has finished is adopted).
     - Fair: waiters are served in the order they queued, across processes; `release()`
       hands the lock straight to the next live waiter, so the releaser cannot barge back.
+      Within one process its tasks pass it among themselves first, within a bound
+      (`local_handoff`, below).
     - Leased: held for `ttl` seconds at a time and renewed in the background every ttl/3;
       if the lease is lost, the `async with` body is cancelled and `LockLost` raised.
     - Fenced: every acquisition gets a strictly larger `fencing_token`.
@@ -93,7 +95,7 @@ class RedisMutex(LeasedLock):
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-        local_handoff: int = 0,
+        local_handoff: int | None = None,
         max_hold: float | None = None,
     ) -> None:
         """`local_handoff=N` (N > 0) lets this process's tasks pass the lock among
@@ -101,11 +103,16 @@ class RedisMutex(LeasedLock):
         it came from Redis (none after a holding that long) before it goes back to the
         global FIFO queue when other processes wait: much higher throughput under
         contention from one process, for bounded unfairness across processes. Fences stay
-        strictly increasing across all holders. 0 (the default) is strict FIFO.
+        strictly increasing across all holders. 0 is strict FIFO; None (the default) is
+        16 (`DEFAULT_LOCAL_HANDOFF`), or 0 when `max_hold` is given.
 
         `max_hold` (seconds, None by default) caps each holding: at that age its renewal
         stops and it is reported lost (`LockLost` naming `max_hold`), so a stuck holder
-        cannot keep the lock for ever."""
+        cannot keep the lock for ever. A cohort's lease outlives each holding, so with
+        `max_hold` the instance is strict FIFO (an explicit `local_handoff=N` with it is
+        a `ValueError`)."""
+        if local_handoff is None:  # the default: a cohort, unless max_hold needs strict FIFO
+            local_handoff = 0 if max_hold is not None else DEFAULT_LOCAL_HANDOFF
         self._local_handoff = _validate_local_handoff(local_handoff)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,

@@ -22,7 +22,7 @@ from ._base._errors import LimitMismatch, LockTimeout, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._base._query import AsyncWithOnly
 from ._engine._context import ClientContext, context_for
-from ._engine._release import shielded
+from ._engine._release import InFlight, shielded
 from ._engine._settings import validate_timeout
 from ._scripts import load
 
@@ -386,9 +386,9 @@ class RedisRateLimiter(AsyncWithOnly):
         loop = asyncio.get_running_loop()
         # The call runs in a task of its own: a cancellation meanwhile must not lose the
         # reply, which the give-back needs.
-        in_flight = asyncio.ensure_future(self._call(context, args))
+        in_flight = InFlight(self._call(context, args))
         try:
-            reply = await asyncio.shield(in_flight)
+            reply = await in_flight.reply()
         except asyncio.CancelledError:
             await self._give_back(context, in_flight, cost)
             raise
@@ -425,7 +425,7 @@ class RedisRateLimiter(AsyncWithOnly):
         return reply
 
     async def _give_back(
-        self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
+        self, context: ClientContext, in_flight: InFlight[list[Any]], cost: int
     ) -> None:
         """Once the reservation's reply is in, give its slot back; awaited by the cancelled
         caller (shielded, at most `_GIVE_BACK_BOUND` seconds) before its CancelledError goes
@@ -433,11 +433,10 @@ class RedisRateLimiter(AsyncWithOnly):
         await shielded(lambda: self._giving_back(context, in_flight, cost), _GIVE_BACK_BOUND)
 
     async def _giving_back(
-        self, context: ClientContext, in_flight: asyncio.Future[list[Any]], cost: int
+        self, context: ClientContext, in_flight: InFlight[list[Any]], cost: int
     ) -> None:
-        try:
-            reply = await asyncio.shield(in_flight)
-        except Exception:
+        reply = await in_flight.outcome()
+        if reply is None:
             return  # no reply: whatever it reserved is lost, never exceeded
         if int(reply[0]) not in (1, 2):
             return  # refused: nothing was reserved

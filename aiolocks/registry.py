@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, Generic, TypeVar, final
 
 from ._base._clients import AnyRedis, ensure_async_client
-from ._base._coalesce import Coalescer
 from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._engine._context import context_for
@@ -101,9 +101,10 @@ class RedisRegistry:
         """The id of `name`, registering it first if it is new."""
         encoded = self._encode(name)
         context = context_for(self._client)
-        coalescer = context.coalescers.get(self._ids)
+        coalescers: dict[bytes, Coalescer[bytes, int]] = context.keep("registry calls", dict)
+        coalescer = coalescers.get(self._ids)
         if coalescer is None:
-            coalescer = context.coalescers[self._ids] = Coalescer(self._register, _COALESCE_BATCH)
+            coalescer = coalescers[self._ids] = Coalescer(self._register, _COALESCE_BATCH)
         self._requested += 1
         self._waiting += 1
         try:
@@ -249,3 +250,68 @@ def _validate_id(id: object) -> int:
     if id < 1:
         raise ValueError(f"ids start at 1, got {id!r}")
     return id
+
+
+# -- concurrent register() calls joined into batched script calls --------------------------
+# One call in flight per registry and client: while a batch is on its way to Redis, new
+# requests gather in the next, so under load batches grow by themselves (10,000 concurrent
+# `register()` calls become a handful of script calls and never exhaust the connection
+# pool), and a lone request costs one call, as before.
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Coalescer(Generic[K, V]):
+    """Serve `submit(key)` calls through `flush(keys) -> values` in batches of `max_batch`.
+
+    Requests for the same key that are pending together share one answer. A caller that is
+    cancelled stops waiting; its key is still sent (the call is idempotent by contract).
+    """
+
+    def __init__(self, flush: Callable[[list[K]], Awaitable[list[V]]], max_batch: int) -> None:
+        self._flush = flush
+        self._max_batch = max_batch
+        self._pending: dict[K, asyncio.Future[V]] = {}
+        self._runner: asyncio.Task[None] | None = None
+
+    async def submit(self, key: K) -> V:
+        future = self._pending.get(key)
+        if future is None:
+            future = self._pending[key] = asyncio.get_running_loop().create_future()
+            if self._runner is None:
+                # Started now, it first runs on the next loop iteration: every request made
+                # in this iteration is in its first batch.
+                self._runner = asyncio.create_task(self._run())
+        return await asyncio.shield(future)
+
+    async def _run(self) -> None:
+        try:
+            while self._pending:
+                keys = list(self._pending)[: self._max_batch]
+                batch = {key: self._pending.pop(key) for key in keys}
+                try:
+                    values = await self._flush(keys)
+                except asyncio.CancelledError:
+                    _cancel(batch.values())
+                    raise
+                except Exception as exc:  # handed to every caller of the batch
+                    for future in batch.values():
+                        if not future.done():
+                            future.set_exception(exc)
+                            future.exception()  # retrieved: callers that left must not log it
+                    continue
+                for future, value in zip(batch.values(), values, strict=True):
+                    if not future.done():
+                        future.set_result(value)
+        except asyncio.CancelledError:
+            pending, self._pending = self._pending, {}
+            _cancel(pending.values())
+            raise
+        finally:
+            self._runner = None
+
+
+def _cancel(futures: Iterable[asyncio.Future[Any]]) -> None:
+    for future in futures:
+        future.cancel()

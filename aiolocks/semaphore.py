@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Any, final
 
-from ._base import _spec
+from ._base import _clock, _spec
 from ._base._clients import AnyRedis
 from ._base._errors import LimitMismatch, map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
@@ -172,7 +171,7 @@ class RedisSemaphore(LeasedLock):
         limit = _validate_limit(limit)
         context = context_for(self._client)
         args = (limit, self._spec.channel, context.waitqueue.tag, self._ttl_ms)
-        sent_at = time.monotonic()
+        sent_at = _clock.monotonic()
         with map_redis_errors(self._name):
             reply = await _release.granting(context, self._spec, _SET_LIMIT, args, retry=True)
         self._limit = limit

@@ -28,7 +28,6 @@ Helpers, to test what your code does when a lease is lost:
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import anyio
@@ -37,6 +36,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio
 
+from ._base import _clock
 from ._base._embedded import start_embedded_server
 from ._base._errors import LockNotOwned, map_redis_errors
 from ._engine._context import context_for
@@ -109,7 +109,7 @@ async def expire_lease(lock: Leased, *, timeout: float = 5.0) -> None:
     context = context_for(leased._client)
     lease = holding.lease
     if lease is not None and not lease.lost:
-        lease.next_due = time.monotonic()  # renew now: the renewal finds the lease gone
+        lease.due_at(_clock.monotonic())  # renew now: the renewal finds the lease gone
         context.keeper.hold(lease)
     with anyio.fail_after(timeout):
         await holding.lost.wait()

@@ -18,7 +18,9 @@ answers). The modes (`MODES`):
 
 `POST /slots/{slot}/add` is `bench_optimizations.py`'s request (a `request_lock` waiting,
 the counter only). Each uvicorn worker applies the run's switch (`_switches.apply()`) when
-it imports this module.
+it imports this module, if a run asks for one: only then are `_switches`' internals
+imported, so the app also serves an older checkout's aiolocks (`bench_fastapi.py --base`),
+which needs only the public API.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import redis.asyncio
-from _switches import apply
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from aiolocks import RedisMutex
 from aiolocks.integrations.fastapi import HeldLock, request_lock
 
-apply()
+FLIP_ENV = "AIOLOCKS_BENCH_FLIP"  # (`_switches.ENV`, read before importing it)
+if os.environ.get(FLIP_ENV):
+    from _switches import apply
+
+    apply()
 URL_ENV = "AIOLOCKS_BENCH_URL"
 COUNTER = "bench:slot-counter:"
 ORDER_COUNTER = "bench:order-counter:"  # + MODE:ORDER

@@ -126,7 +126,7 @@ class AiolocksLocalHandoffPeer(AiolocksPeer):
 
 
 class AiolocksStrictFifoPeer(AiolocksPeer):
-    """`local_handoff=0` spelled out: strict FIFO across processes and tasks (the default)."""
+    """`local_handoff=0`: strict FIFO across processes and tasks (the default until issue 45)."""
 
     key = "aiolocks_fifo"
     label = "aiolocks RedisMutex local_handoff=0"

@@ -88,6 +88,11 @@ SWITCHES: dict[str, Switch] = {
         "aiolocks._transport._runner.DIRECT_READS = False",
         _set(_runner, "DIRECT_READS", False),
     ),
+    "pubsub_direct_reads": Switch(
+        "pub/sub messages parsed in the transport's callback, no reader task per message",
+        "aiolocks._waiting._notifier.DIRECT_READS = False",
+        _set(_notifier, "DIRECT_READS", False),
+    ),
     "subscription_linger": Switch(
         "a name's channel stays subscribed 30 s after its last waiter",
         "aiolocks._waiting._notifier._LINGER = 0.0",

@@ -1,12 +1,14 @@
 """What one lock operation costs on the server and in the client, beside the peers (issue 32).
 
     python benchmarks/bench_cost.py [--tree PATH:LABEL ...] [--label TEXT] [--rounds 1]
-        [--cycles 2000] [--iterations 50] [--local-handoff 4,16] [--json PATH]
+        [--cycles 2000] [--iterations 50] [--local-handoff 0,4,16] [--json PATH]
 
 One run, on one `redis-server` (Debian's, on PATH) started here on a free 127.0.0.1 port,
 for aiolocks' `RedisMutex` (this checkout, and the checkout of each `--tree`: the same
 workload with another build's aiolocks, e.g. `git worktree add /tmp/base cf90146`; with
-`--local-handoff 4,16`, also this checkout's mutex with `local_handoff=4` and `=16`),
+`--local-handoff 0,4,16`, also this checkout's mutex with `local_handoff=0` (strict FIFO),
+`=4` and `=16`; each build's column names its default mutex: an older tree's, such as
+785f6d6's, is strict FIFO, this one's `local_handoff=16`),
 redis-py's asyncio `Lock` (sleep=0.1) and python-redis-lock (blocking: one thread per
 worker, as in `bench_peers.py`), three phases each, every one in fresh worker processes of
 `bench_peers.py` (`--worker`, the same contend loop) started together on one 'go':
@@ -34,7 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,6 +154,24 @@ def render(columns: list[str], table: dict[str, dict[str, dict[str, Any]]]) -> s
     return "\n".join(lines)
 
 
+def headline(columns: list[str], table: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The headline server figure: the server's CPU time (`INFO cpu`) per uncontended cycle
+    and per contended acquisition, each column with its ratio to redis-py's `Lock` (no FIFO,
+    no fences) and to python-redis-lock in the same run."""
+    lines = ["server CPU (INFO cpu) per cycle (uncontended) or acquisition (contended):"]
+    for name in PHASES:
+        redispy = table["redis-py Lock"][name].get("server_cpu_us")
+        prl = table["python-redis-lock"][name].get("server_cpu_us")
+        for column in columns:
+            value = table[column][name].get("server_cpu_us")
+            lines.append(
+                f"  {name:<11} {column:<48} {fmt(value, 1):>8} µs  "
+                f"{fmt(ratio(value, redispy), 2)}x redis-py Lock, "
+                f"{fmt(ratio(value, prl), 2)}x python-redis-lock"
+            )
+    return "\n".join(lines)
+
+
 def targets(ours: dict[str, dict[str, Any]], table: dict[str, Any]) -> dict[str, Any]:
     """Issue 32's targets for one build, as ratios (the value and whether it holds)."""
     redispy = table["redis-py Lock"]["uncontended"]["server_us"]
@@ -189,9 +212,30 @@ def targets(ours: dict[str, dict[str, Any]], table: dict[str, Any]) -> dict[str,
     }
 
 
+def default_config(root: Path) -> str:
+    """What `RedisMutex(client, name)` is in the aiolocks of the checkout at `root`: strict
+    FIFO (an older tree's default, `local_handoff=0`) or its default local hand-off."""
+    code = (
+        "import inspect, aiolocks.mutex as m\n"
+        "p = inspect.signature(m.RedisMutex).parameters.get('local_handoff')\n"
+        "d = 0 if p is None else p.default\n"
+        "print(getattr(m, 'DEFAULT_LOCAL_HANDOFF', 0) if d is None else d)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    found = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    )
+    bound = int(found.stdout.strip())
+    return "strict FIFO" if bound == 0 else f"local_handoff={bound}"
+
+
 async def main(args: argparse.Namespace) -> None:
     builds = trees(args)
-    libraries = [(f"aiolocks {label}", "aiolocks", root) for label, root in builds]
+    # Each build's default, named: an older tree's default mutex is strict FIFO.
+    libraries = [
+        (f"aiolocks {label} (default: {default_config(root)})", "aiolocks", root)
+        for label, root in builds
+    ]
     for bound in args.local_handoff:  # issue 32, item 5: a bounded local hand-off
         libraries.append((f"aiolocks local_handoff={bound}", LOCAL[bound], HERE.parent))
     ours = len(libraries)
@@ -225,6 +269,7 @@ async def main(args: argparse.Namespace) -> None:
         for column, phases in rows.items()
     }
     markdown = render(columns, table)
+    server_cpu = headline(columns, table)
     report = {
         "benchmark": "cost",
         "aiolocks": __version__,
@@ -241,10 +286,12 @@ async def main(args: argparse.Namespace) -> None:
         "targets": {column: targets(table[column], table) for column in columns[:ours]},
         "runs": rows,
         "markdown": markdown,
+        "headline": server_cpu,
     }
     path = Path(args.json) if args.json else RESULTS / "cost.json"
     write_json(path, report)
     print(markdown)
+    print(f"\n{server_cpu}")
     for column, checks in report["targets"].items():
         print(f"\ntargets, {column}:")
         for check, verdict in checks.items():
@@ -263,7 +310,7 @@ def parse() -> argparse.Namespace:
         "--local-handoff",
         type=lambda text: [int(bound) for bound in text.split(",")],
         default=[],
-        help="also this build with local_handoff=N, for each N given (4,16)",
+        help="also this build with local_handoff=N, for each N given (0,4,16)",
     )
     parser.add_argument("--json", help=f"default {RESULTS / 'cost.json'}")
     return parser.parse_args()

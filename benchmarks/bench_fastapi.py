@@ -1,10 +1,13 @@
 """FastAPI under uvicorn, driven by wrk: `request_lock` against the same lock by hand.
 
     python benchmarks/bench_fastapi.py                     # this checkout, 1 and 2 workers
+    python benchmarks/bench_fastapi.py --base 785f6d6      # and commit 785f6d6 beside it
     python benchmarks/bench_fastapi.py --python base=/tmp/b/.venv/bin/python@/tmp/b/benchmarks \\
         --python head=.venv/bin/python                     # two installs, side by side
 
-(`@DIR`: serve the `_fastapi_app.py` of DIR, with its `_switches.py`, for an older checkout.)
+`--base REV` checks REV out in a temporary git worktree (removed at the end) and serves
+this checkout's app with REV's `aiolocks` (first on `PYTHONPATH`, same interpreter), so
+both run the same modes. (`--python ...@DIR`: serve the `_fastapi_app.py` of DIR instead.)
 
 Serves `_fastapi_app.py` (its `MODES`: a lock per order id, a 5 ms body and a counter
 under it) with `uvicorn --workers N` and runs `wrk` (Debian: `apt-get install wrk`) with
@@ -27,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,40 @@ RATIOS = (
     ("refuse / redis-py Lock, 1 worker", "refuse", "redis-py", 1),
     ("by hand / asyncio.Lock, 1 worker", "by-hand", "floor", 1),
 )
+
+
+@dataclass(frozen=True)
+class Install:
+    """What serves one column: an interpreter, the app's directory, and a checkout put
+    first on `PYTHONPATH` (its `aiolocks` instead of the interpreter's)."""
+
+    python: str
+    app_dir: Path = HERE
+    pythonpath: Path | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> Install:
+        python, _, app_dir = value.partition("@")
+        return cls(python, Path(app_dir) if app_dir else HERE)
+
+
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """`rev` of this repository in a temporary git worktree, removed on exit."""
+    root = HERE.parent
+    with tempfile.TemporaryDirectory(prefix="bench-fastapi-") as tmp:
+        tree = Path(tmp) / "checkout"
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(tree), rev],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            yield tree
+        finally:
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
+                check=False, capture_output=True,
+            )  # fmt: skip
 
 
 def wait_listening(port: int, process: subprocess.Popen[bytes], bound: float) -> None:
@@ -100,17 +138,21 @@ async def counted(url: str, mode: str) -> int:
     return sum(int(v) for v in values if v is not None)
 
 
-def run(python: str, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
-    python, _, app_dir = python.partition("@")
+def run(install: Install, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
     port = free_loopback_port()
+    env = {**os.environ, URL_ENV: url}
+    if install.pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(install.pythonpath), os.environ.get("PYTHONPATH")])
+        )
     process = subprocess.Popen(
         [
-            python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", app_dir or str(HERE),
+            install.python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", str(install.app_dir),
             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
             "--log-level", "warning", "--no-access-log",
         ],
-        env={**os.environ, URL_ENV: url},
-        cwd=app_dir or HERE,  # not a checkout's root: `-m` puts the cwd first on sys.path
+        env=env,
+        cwd=install.app_dir,  # not a checkout's root: `-m` puts the cwd first on sys.path
     )  # fmt: skip
     try:
         wait_listening(port, process, 60)
@@ -146,29 +188,76 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--python", action="append", metavar="LABEL=PATH[@APPDIR]",
         help="an interpreter with aiolocks installed (repeat to compare; default: this one)",
     )  # fmt: skip
+    parser.add_argument(
+        "--base", metavar="REV",
+        help="also serve this repository's REV (e.g. 785f6d6) beside this checkout",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=8.0, help="per run (default 8)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
-        parser.error("wrk is not installed (Debian: apt-get install wrk)")
-    pythons = dict(p.split("=", 1) for p in args.python or [f"this={sys.executable}"])
-    results: dict[str, dict[str, Any]] = {label: {} for label in pythons}
-    with bench_server(args.url) as (url, source), tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "orders.lua"
+        parser.error(
+            "wrk is not installed: `apt-get install wrk` (Debian, Ubuntu), `brew install wrk` "
+            "(macOS), or build it from https://github.com/wg/wrk"
+        )
+    pythons = {
+        label: Install.parse(value)
+        for label, value in (p.split("=", 1) for p in args.python or [f"this={sys.executable}"])
+    }
+    with contextlib.ExitStack() as stack:
+        if args.base:
+            tree = stack.enter_context(checkout(args.base))
+            pythons[args.base] = Install(sys.executable, HERE, tree)
+        url, source = stack.enter_context(bench_server(args.url))
+        script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "orders.lua"
         script.write_text(WRK_SCRIPT)
-        for workers in args.workers:
-            for mode in args.modes:
-                for label, python in pythons.items():
-                    row = run(python, url, workers, mode, args.seconds, script)
-                    results[label][f"{mode}/{workers}"] = row
-                    print(
-                        f"{label:>6} {workers}w {mode:<16} {row['per_s']:>8.1f} req/s "
-                        f"2xx {row['ok']:>6} non-2xx {row['non_2xx']:>6} "
-                        f"overlaps {row['overlaps']}",
-                        flush=True,
-                    )
+        results = measure(pythons, url, args.workers, args.modes, args.seconds, script)
+    summarize(pythons, results)
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "server": source,
+            "connections": CONNECTIONS,
+            "orders": ORDERS,
+            "seconds": args.seconds,
+            "pythons": {label: str(install) for label, install in pythons.items()},
+            "results": results,
+        },
+    )
+    return 0
+
+
+def measure(
+    pythons: dict[str, Install],
+    url: str,
+    workers_list: Sequence[int],
+    modes: Sequence[str],
+    seconds: float,
+    script: Path,
+) -> dict[str, dict[str, Any]]:
+    """Every (workers, mode) with each install in turn (a shared machine's load falls on
+    all of them alike); a row printed per run."""
+    results: dict[str, dict[str, Any]] = {label: {} for label in pythons}
+    width = max(6, *map(len, pythons))
+    for workers in workers_list:
+        for mode in modes:
+            for label, install in pythons.items():
+                row = run(install, url, workers, mode, seconds, script)
+                results[label][f"{mode}/{workers}"] = row
+                print(
+                    f"{label:>{width}} {workers}w {mode:<16} {row['per_s']:>8.1f} req/s "
+                    f"2xx {row['ok']:>6} non-2xx {row['non_2xx']:>6} "
+                    f"overlaps {row['overlaps']}",
+                    flush=True,
+                )
+    return results
+
+
+def summarize(pythons: dict[str, Install], results: dict[str, dict[str, Any]]) -> None:
+    """The ratios the FastAPI page promises, then the overlaps of each install."""
     print()
     for what, mode, base, workers in RATIOS:
         cells = []
@@ -179,19 +268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cells.append(f"{label} {a['per_s'] / b['per_s']:.2f}x")
         if cells:
             print(f"{what:<36} " + "  ".join(cells))
-    write_json(
-        args.json,
-        {
-            "machine": machine(),
-            "server": source,
-            "connections": CONNECTIONS,
-            "orders": ORDERS,
-            "seconds": args.seconds,
-            "pythons": pythons,
-            "results": results,
-        },
-    )
-    return 0
+    for label in pythons:
+        overlapping = {
+            run: row["overlaps"]
+            for run, row in results[label].items()
+            if row["overlaps"] and row["counter_exact"] is not None  # (floor, 2w: none kept)
+        }
+        said = ", ".join(f"{run} {n}" for run, n in overlapping.items()) or "0 in every mode"
+        print(f"overlaps, {label}: {said}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ Per library, on one server (FLUSHALLed between phases):
 3. **waiting**: rate 1/s, burst 1: the permit is taken, then a caller waits ~1 s for the
    next; the commands the server ran during that wait.
 
+`--scripts` instead measures only the server's side of the reservation script: its CPU
+per permit (INFO cpu, user + system), 5,000 permits a round by raw EVALSHA from one
+client, the limit never reached, rounds alternating between variants (the machine may be
+shared: only ratios within one run mean anything): this tree's script with one limit and
+with two, and the scripts of the commits in `SCRIPT_REFS` (`--against`), printed as
+ratios to this tree's one limit.
+
 The `-2` rows take two limits at once (the one above, and the same average per hour, which
 never binds): aiolocks' `limits=`, PyrateLimiter's rate list, `limits` hitting each item.
 """
@@ -30,6 +37,8 @@ import argparse
 import asyncio
 import bisect
 import json
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -48,6 +57,7 @@ from _harness import (
 )
 
 from aiolocks import Limit, RedisRateLimiter
+from aiolocks.ratelimit import _ACQUIRE, validate_settings
 
 
 class Limiter:
@@ -328,7 +338,97 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The scripts compared with this tree's by --scripts: 6b29524, the last with one limit only
+# (before several limits came: its own arguments); b848f24, several limits, before the
+# one-limit path was made cheaper again.
+SCRIPT_REFS = ("6b29524", "b848f24")
+ROOT = RESULTS.parent.parent
+ONE = validate_settings(10**6, 1.0, 10**6)  # never reached
+TWO = (ONE, validate_settings(3600 * 10**6, 3600.0, 10**6))
+
+
+def _source_at(ref: str) -> str:
+    """The reservation script as `ref` built it (its library, then the script)."""
+    return "\n".join(
+        subprocess.run(
+            ["git", "show", f"{ref}:aiolocks/_scripts/{name}.lua"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        for name in ("_ratelimit", "ratelimit_acquire")
+    )
+
+
+def _arguments(ref: str | None, limits: tuple[Any, ...]) -> list[Any]:
+    """The script's arguments: cost 1, any wait; the one-limit era's order before 086a17e."""
+    if ref == SCRIPT_REFS[0]:
+        (rate, per, burst, interval), *_ = limits
+        return [interval, burst, 1, -1, repr(rate), repr(per)]
+    settings = [v for rate, per, burst, interval in limits for v in (interval, burst, rate, per)]
+    return [1, -1, 0, *settings]  # cost, max_wait, stamp, then the limits
+
+
+async def script_cpu(
+    url: str, against: list[str], rounds: int, permits: int
+) -> list[dict[str, Any]]:
+    """Server CPU µs per permit of each variant's reservation script, alternating rounds."""
+    admin = redis.asyncio.Redis.from_url(url)
+    variants: list[tuple[str, str, list[Any]]] = [
+        ("this tree, one limit", _ACQUIRE.source, _arguments(None, (ONE,))),
+        ("this tree, two limits", _ACQUIRE.source, _arguments(None, TWO)),
+    ]
+    for ref in against:
+        source = _source_at(ref)
+        variants.append((f"{ref}, one limit", source, _arguments(ref, (ONE,))))
+        if ref != SCRIPT_REFS[0]:
+            variants.append((f"{ref}, two limits", source, _arguments(ref, TWO)))
+    seen: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    try:
+        shas = [await admin.script_load(source) for _, source, _ in variants]
+        order = list(zip(variants, shas, strict=True))
+        for round_ in range(rounds + 1):  # the first round warms up, not counted
+            order = order[1:] + order[:1]  # each variant first in turn
+            for (label, _, args), sha in order:
+                await admin.flushall()
+                key = "aiolocks:ratelimit:{cpu}:state"
+                for _ in range(50):
+                    await admin.evalsha(sha, 1, key, *args)
+                before = await _cpu(admin)
+                for _ in range(permits):
+                    await admin.evalsha(sha, 1, key, *args)
+                if round_:
+                    seen[label].append((await _cpu(admin) - before) * 1e6 / permits)
+    finally:
+        await admin.aclose()
+    base = statistics.median(seen[variants[0][0]])
+    return [
+        {
+            "variant": label,
+            "server_cpu_us": statistics.median(values),
+            "ratio": statistics.median(values) / base,
+        }
+        for label, values in seen.items()
+    ]
+
+
+async def _cpu(admin: redis.asyncio.Redis) -> float:
+    info: dict[str, Any] = await admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.scripts:
+        with bench_server(args.url) as (url, _):
+            rows = await script_cpu(url, args.against or list(SCRIPT_REFS), args.rounds, 5000)
+        load = machine()["loadavg_1_5_15"]
+        print(f"server CPU per permit (INFO cpu), median of {args.rounds} rounds; load {load}")
+        print("| script | server CPU µs / permit | ratio to this tree's one limit |")
+        print("| --- | ---: | ---: |")
+        for row in rows:
+            print(f"| {row['variant']} | {row['server_cpu_us']:.1f} | {row['ratio']:.2f} |")
+        return
     peers = args.peers.split(",") if args.peers else list(PEERS)
     with bench_server(args.url) as (url, origin):
         rows = [await run_peer(peer, url, args.quick) for peer in peers]
@@ -357,6 +457,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="smaller counts")
     parser.add_argument("--peers", help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--scripts", action="store_true", help="the reservation script's server CPU only"
+    )
+    parser.add_argument("--against", nargs="*", help=f"commits (default {' '.join(SCRIPT_REFS)})")
+    parser.add_argument("--rounds", type=int, default=7, help="--scripts rounds (default 7)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)

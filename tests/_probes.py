@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio
 
 from aiolocks._base._clients import AnyRedis
+from aiolocks._engine._cohort import cohorts_of
 from aiolocks._engine._context import ClientContext, context_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -18,13 +21,17 @@ from _lockworker import on_queued
 
 
 class QueueProbe:
-    """Records, in order, the tokens the acquire script reported as queued on the server."""
+    """Records, in order, the tokens the acquire script reported as queued on the server;
+    `local`: also each task queued behind a local hand-off cohort of the client (recorded
+    as "local", as it has no token on the server)."""
 
-    def __init__(self, client: AnyRedis) -> None:
+    def __init__(self, client: AnyRedis, *, local: bool = False) -> None:
         self.context: ClientContext = context_for(client)
         self.queued: list[str] = []
         self._grew = asyncio.Event()
         on_queued(client, self._queued)
+        if local:
+            _on_local_wait(self.context, functools.partial(self._queued, "local"))
 
     def _queued(self, token: str) -> None:
         self.queued.append(token)
@@ -39,6 +46,37 @@ class QueueProbe:
                 await self._grew.wait()
 
         await asyncio.wait_for(wait(), timeout)
+
+
+class _Recording(deque[Any]):
+    """A cohort's queue of local waiters that tells of each task it queues."""
+
+    def __init__(self, items: deque[Any], on_wait: Callable[[], None]) -> None:
+        super().__init__(items)
+        self.on_wait = on_wait
+
+    def append(self, waiter: Any) -> None:
+        super().append(waiter)
+        self.on_wait()
+
+
+class _Cohorts(dict[Any, Any]):
+    """A context's cohorts (`_cohort.cohorts_of`), each one's queue recording."""
+
+    def __init__(self, cohorts: dict[Any, Any], on_wait: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_wait = on_wait
+        for key, cohort in cohorts.items():
+            self[key] = cohort
+
+    def __setitem__(self, key: Any, cohort: Any) -> None:
+        cohort._queue = _Recording(cohort._queue, self.on_wait)
+        super().__setitem__(key, cohort)
+
+
+def _on_local_wait(context: ClientContext, on_wait: Callable[[], None]) -> None:
+    """Call `on_wait` whenever a task of `context`'s client queues behind its cohort."""
+    context._kept["cohorts"] = _Cohorts(cohorts_of(context), on_wait)  # (`ClientContext.keep`)
 
 
 async def mutex_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:

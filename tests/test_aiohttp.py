@@ -96,7 +96,7 @@ async def test_same_order_is_refused_while_other_orders_go_through(
 async def test_a_waiting_request_goes_next(r: redis.asyncio.Redis, tasks: Tasks) -> None:
     gate = Gate()
     app = orders_app(gate, locked("orders:{order_id}", client=r, timeout=None))
-    probe = QueueProbe(r)
+    probe = QueueProbe(r, local=True)
     async with http(app) as client:
         first = tasks.start(client.post("/orders/7"))
         await gate.wait_entered(7)
@@ -134,7 +134,7 @@ async def test_a_client_that_goes_away_leaves_nothing_behind(
     finished = Finished()
     lock = locked("orders:{order_id}", client=r, timeout=None)
     app = orders_app(gate, lock, middlewares=[finished.middleware])
-    probe = QueueProbe(r)
+    probe = QueueProbe(r, local=True)
     async with http(app) as client:
         holder = tasks.start(client.post("/orders/9"))
         await gate.wait_entered(9)

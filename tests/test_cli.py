@@ -56,11 +56,11 @@ async def client_for(url: str, r: redis.asyncio.Redis) -> AsyncIterator[Callable
 async def test_inspect_a_held_mutex_with_its_queue_in_order(
     url: str, r: redis.asyncio.Redis, client_for: Callable[[], Any], tasks: Tasks
 ) -> None:
-    holder = RedisMutex(r, "orders:42", ttl=30)
+    holder = RedisMutex(r, "orders:42", ttl=30, local_handoff=0)  # its fence: the stored one
     assert await holder.acquire()
     other = client_for()
     probe = QueueProbe(other)
-    waiters = RedisMutex(other, "orders:42", ttl=20)
+    waiters = RedisMutex(other, "orders:42", ttl=20, local_handoff=0)  # both queued in Redis
     for _ in range(2):
         await tasks.queued(probe, waiters.acquire())
 
@@ -230,11 +230,11 @@ async def test_release_force_hands_the_mutex_to_a_waiter_of_another_client(
     url: str, r: redis.asyncio.Redis, client_for: Callable[[], Any], tasks: Tasks
 ) -> None:
     # Without keyspace events and with a 30 s lease, only the grant message can wake it.
-    holder = RedisMutex(r, "stuck", ttl=30)
+    holder = RedisMutex(r, "stuck", ttl=30, local_handoff=0)  # its fence is the stored one
     assert await holder.acquire()
     owner, first = (await holder.inspect()).owner, holder.fencing_token
     other = client_for()
-    waiter = RedisMutex(other, "stuck", ttl=30)
+    waiter = RedisMutex(other, "stuck", ttl=30, local_handoff=0)
     probe = QueueProbe(other)
 
     async def wait_and_hold() -> int | None:

@@ -8,7 +8,6 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from _web import ONE_SERVER
 from conftest import Tasks
 
 from aiolocks import LockError, RedisMutex, RedisReadWriteLock, RedisRegistry, RedisSemaphore
-from aiolocks._engine import _leasedlock
+from aiolocks._base import _clock
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -67,10 +66,10 @@ async def hold_the_examples_locks(
 ) -> list[Any]:
     """The state the page's examples show; returns the locks held by this task."""
     probe = QueueProbe(other)
-    holder = RedisMutex(r, "orders:42")
+    holder = RedisMutex(r, "orders:42", local_handoff=0)  # its fence is the stored one
     assert await holder.acquire()
     for _ in range(2):
-        await tasks.queued(probe, RedisMutex(other, "orders:42").acquire())
+        await tasks.queued(probe, RedisMutex(other, "orders:42", local_handoff=0).acquire())
     free = RedisMutex(r, "orders:7")
     assert await free.acquire()
     await free.release()
@@ -96,8 +95,8 @@ async def test_every_command_in_the_docs_runs_as_documented(
     try:
         scripted = iter(TOKENS)
         with monkeypatch.context() as patch:
-            tokens = SimpleNamespace(token_hex=lambda _: next(scripted))
-            patch.setattr(_leasedlock, "secrets", tokens)
+            made = _clock.token_hex  # acquisitions' tokens scripted, clients' tags not
+            patch.setattr(_clock, "token_hex", lambda n: next(scripted) if n == 16 else made(n))
             held = await hold_the_examples_locks(r, other, tasks)
         assert next(scripted, None) is None  # every documented token was used
 

@@ -178,7 +178,8 @@ class Turns:
             await probe.wait_queued(len(probe.queued) + 1)
 
     async def _turn(self, client: RedisCluster, index: int, ttl: float) -> None:
-        async with RedisMutex(client, self.name, ttl=ttl, timeout=60) as mine:
+        # strict FIFO: the server queue, in the order queued, is what these tests follow
+        async with RedisMutex(client, self.name, ttl=ttl, timeout=60, local_handoff=0) as mine:
             self._inside += 1
             assert self._inside == 1
             assert mine.fencing_token is not None
@@ -200,7 +201,7 @@ async def test_waiters_follow_a_slot_that_moves(cluster_r: RedisCluster, cluster
     target = next(node for node in cluster.nodes if node is not source)
     other = cluster.client()
     try:
-        holder = RedisMutex(cluster_r, name, ttl=10)
+        holder = RedisMutex(cluster_r, name, ttl=10, local_handoff=0)
         assert await holder.acquire()
         first_fence = holder.fencing_token
         assert first_fence is not None
@@ -230,7 +231,7 @@ async def test_waiters_survive_their_node_restarting(
     name = names_on_each_node(cluster, 1, prefix="restart")[0][0]
     other = cluster.client()
     try:
-        holder = RedisMutex(cluster_r, name, ttl=2)
+        holder = RedisMutex(cluster_r, name, ttl=2, local_handoff=0)
         assert await holder.acquire()
         turns = Turns((cluster_r, other), name)
         await turns.queue(4, ttl=5)

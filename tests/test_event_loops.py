@@ -28,7 +28,7 @@ from aiolocks import RedisMutex
 r = redis.Redis.from_url(sys.argv[1])
 
 async def take(close):
-    async with RedisMutex(r, "job") as mutex:
+    async with RedisMutex(r, "job", local_handoff=0) as mutex:
         fence = mutex.fencing_token
         await r.incr("runs")  # the app's own command: a pooled connection on this loop
     if close:
@@ -51,11 +51,11 @@ except RuntimeError as error:
 async def test_a_client_in_use_on_a_running_loop_is_refused_on_another(
     r: redis.asyncio.Redis,
 ) -> None:
-    mutex = RedisMutex(r, "job")
+    mutex = RedisMutex(r, "job", local_handoff=0)  # its fence is the stored one
     assert await mutex.acquire()
 
     async def from_another_loop() -> bool:
-        return await RedisMutex(r, "job").acquire(blocking=False)
+        return await RedisMutex(r, "job", local_handoff=0).acquire(blocking=False)
 
     with pytest.raises(RuntimeError, match=r"in use on another event loop.*one client per"):
         await asyncio.to_thread(asyncio.run, from_another_loop())

@@ -41,6 +41,7 @@ SERVICE = WORKERS / "exit_service.py"
 # for the idle window past the last lease (ttl + IDLE_MS, see docs/architecture.md).
 _COUNTERS = ("fence", "limit")
 _IDLE_MS = 1000
+_FENCE_KEEP_MS = 5000  # FENCE_KEEP_MS in _prelude.lua
 
 
 async def _service(spawn: Spawn, url: str, prefix: str, ttl: float, how: str, *loop: str) -> Worker:
@@ -133,10 +134,17 @@ async def test_an_unhandled_sigterm_leaves_holdings_to_end_by_their_ttl(
     left = await _keys(valkey_notify.url, prefix)
     kinds = {key.rsplit(":", 1)[1] for key in left}
     assert {"owner", "holders", "waiters"} <= kinds, left
-    # (a fence counter lives 5 s at least: FENCE_KEEP_MS, docs/architecture.md)
-    keep = {"fence": max(ttl * 1000 + _IDLE_MS, 5000)}
-    assert all(0 < pttl <= keep.get(key.rsplit(":", 1)[1], ttl * 1000 + _IDLE_MS)
-               for key, pttl in left.items()), left  # fmt: skip
+    # a fence counter is kept max(ttl + 1 s, FENCE_KEEP_MS) after its last grant
+    assert all(
+        0
+        < pttl
+        <= (
+            max(ttl * 1000 + _IDLE_MS, _FENCE_KEEP_MS)
+            if key.endswith(":fence")
+            else ttl * 1000 + _IDLE_MS
+        )
+        for key, pttl in left.items()
+    ), left
     async with redis.asyncio.Redis.from_url(valkey_notify.url) as client:
         started = time.monotonic()
         mutex = RedisMutex(client, "exit:mutex", ttl=5, prefix=prefix)

@@ -98,7 +98,7 @@ async def test_the_busy_answer_does_not_guess_who_holds_the_lock(r: redis.asynci
 async def test_a_waiting_request_goes_next_in_order(r: redis.asyncio.Redis, tasks: Tasks) -> None:
     gate = Gate()
     app = orders_app(gate, request_lock("orders:{order_id}", client=r, timeout=None))
-    probe = QueueProbe(r)
+    probe = QueueProbe(r, local=True)
     async with http(app) as client:
         first = tasks.start(client.post("/orders/7"))
         await gate.wait_entered(7)
@@ -156,7 +156,7 @@ async def test_cancelled_requests_leave_nothing_behind(
     """A client that goes away (its request task cancelled), holding or waiting."""
     gate = Gate()
     app = orders_app(gate, request_lock("orders:{order_id}", client=r, timeout=None))
-    probe = QueueProbe(r)
+    probe = QueueProbe(r, local=True)
     async with http(app) as client:
         holder = tasks.start(client.post("/orders/9"))
         await gate.wait_entered(9)

@@ -75,7 +75,9 @@ async def test_a_same_client_grant_whose_release_reply_was_lost_wakes_the_waiter
     client = redis.asyncio.Redis.from_url(proxy.url)
     try:
         name = f"lost-reply-{how}"
-        holder, waiter = RedisMutex(client, name, ttl=9), RedisMutex(client, name, ttl=9)
+        # Strict FIFO: the waiter queued on the server, granted by the release script.
+        holder = RedisMutex(client, name, ttl=9, local_handoff=0)
+        waiter = RedisMutex(client, name, ttl=9, local_handoff=0)
         held, go = asyncio.Event(), asyncio.Event()
 
         async def hold() -> None:
@@ -152,6 +154,8 @@ async def test_a_set_limit_whose_reply_was_lost_wakes_the_waiter(
 def _side(client: redis.asyncio.Redis, kind: str, name: str, **options: Any) -> LeasedLock:
     if kind == "write":
         return make_sides(client, "rwlock", name, **options)[1].lock
+    if kind == "mutex":  # strict FIFO: the grant by the server's queue, to either client
+        options["local_handoff"] = 0
     return make_sides(client, kind, name, limit=1, **options)[0].lock  # type: ignore[arg-type]
 
 
@@ -332,6 +336,58 @@ async def test_channels_that_leave_together_leave_no_stale_confirmation(
         assert subscribed == {channel: int(channel == channels[3]) for channel in channels}
         notifier.release(channels[3])
         record("13 edges: channels leaving together", trials=1, note=f"re-subscribe {took:.3f} s")
+    finally:
+        await close_client(client)
+        await admin.aclose()
+
+
+async def test_a_channel_that_left_is_not_subscribed_again_after_a_reconnect(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notifier parses its messages where they arrive, so redis-py never reads an
+    unsubscription's confirmation: it is told of it (`_adapter.pubsub_unsubscribed`), else
+    it would subscribe the channel that left again on its next re-connect, for good."""
+    monkeypatch.setattr(notifier_module, "_LINGER", 0.05)
+    client = redis.asyncio.Redis.from_url(server.url)
+    admin = redis.asyncio.Redis.from_url(server.url)
+    try:
+        await admin.flushall()
+        notifier = context_for(client).notifier
+        left, kept = (f"aiolocks:mutex:{{{name}}}:wake".encode() for name in ("left", "kept"))
+        await notifier.retain(kept, None)
+        await notifier.retain(left, None)
+        link = notifier._links[""]
+        assert link.parser is not None  # read where they arrive (hiredis, a socket)
+        confirmed = asyncio.Event()
+        unsubscribed = link.unsubscribed
+
+        def confirmation(name: bytes) -> bool:
+            ours = unsubscribed(name)
+            if ours and name == left:
+                confirmed.set()
+            return ours
+
+        monkeypatch.setattr(link, "unsubscribed", confirmation)
+        notifier.release(left)
+        await asyncio.wait_for(confirmed.wait(), 5)
+        resynced: list[bytes] = []
+        again = asyncio.Event()
+        resync = notifier.resync
+
+        def resync_kept(wake: bytes) -> None:
+            resync(wake)
+            resynced.append(wake)
+            if resynced.count(kept) >= 2:  # at the drop, then once subscribed again
+                again.set()
+
+        monkeypatch.setattr(notifier, "resync", resync_kept)
+        await admin.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(again.wait(), 10)
+        counts = await admin.execute_command("PUBSUB", "SHARDNUMSUB", left, kept)  # type: ignore[no-untyped-call]
+        plain = await admin.execute_command("PUBSUB", "NUMSUB", left, kept)  # type: ignore[no-untyped-call]
+        subscribed = [int(a) + int(b) for a, b in zip(counts[1::2], plain[1::2], strict=True)]
+        assert subscribed == [0, 1], subscribed
+        notifier.release(kept)
     finally:
         await close_client(client)
         await admin.aclose()

@@ -106,7 +106,8 @@ class LockModel(RuleBasedStateMachine):
             client = self.clients[index % 2]
             sides: dict[str, LeasedLock]
             if self.kind == "mutex":
-                sides = {"x": RedisMutex(client, self.name, ttl=TTL)}
+                # Strict FIFO: the model is of the server's queue, one entry per acquire.
+                sides = {"x": RedisMutex(client, self.name, ttl=TTL, local_handoff=0)}
             elif self.kind == "semaphore":
                 sides = {"x": RedisSemaphore(client, self.name, limit=LIMIT, ttl=TTL)}
             else:

@@ -100,7 +100,7 @@ async def test_restart_during_waits_tells_the_holder_and_frees_the_waiters(
         waiting: dict[str, asyncio.Task[str]] = {}
         waiters = ((patient, "patient-1"), (patient, "patient-2"), (impatient, "impatient"))
         for client, label in waiters:
-            probe = QueueProbe(client)
+            probe = QueueProbe(client, local=True)  # (patient-2: in patient-1's cohort)
             waiting[label] = asyncio.create_task(wait(client, label))
             await probe.wait_queued(len(probe.queued) + 1, 5)
 

@@ -9,7 +9,6 @@ import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from _faults import close_client, snapshot
 from _probes import QueueProbe
 from _servers import KINDS, ServerKind, ServerProcess, free_port
 
-import aiolocks._engine._leasedlock
+import aiolocks._base._clock
 from aiolocks import (
     AccessDenied,
     RedisMutex,
@@ -29,6 +28,7 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
+from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
 
@@ -210,8 +210,9 @@ async def test_tls_with_test_certificates(
             await close_client(client)
 
 
+@pytest.mark.parametrize("local_handoff", [None, 0], ids=["default", "strict-fifo"])
 async def test_tokens_are_128_random_bits_from_secrets(
-    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+    r: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, local_handoff: int | None
 ) -> None:
     asked: list[int] = []
     made: list[str] = []
@@ -222,19 +223,20 @@ async def test_tokens_are_128_random_bits_from_secrets(
         made.append(original(nbytes))
         return made[-1]
 
-    # Only the lock's own module sees the spy (the client tag also comes from `secrets`).
-    monkeypatch.setattr(
-        aiolocks._engine._leasedlock, "secrets", SimpleNamespace(token_hex=token_hex)
-    )
-    mutex = RedisMutex(r, "tokens")
+    # The engine's one source of tokens (the client's tag comes from it too: 4 bytes).
+    monkeypatch.setattr(aiolocks._base._clock, "token_hex", token_hex)
+    mutex = RedisMutex(r, "tokens", local_handoff=local_handoff)
+    # A local hand-off cohort's token says how many fences each grant reserves.
+    suffix = "" if local_handoff == 0 else f"+{DEFAULT_LOCAL_HANDOFF + 1}"
     for _ in range(200):
         assert await mutex.acquire()
         owner = await r.get(mutex._spec.keys[0])
-        assert owner == made[-1].encode()
+        assert owner == (made[-1] + suffix).encode()
         await mutex.release()
-    assert set(asked) == {16}  # 16 bytes = 128 bits
-    assert all(re.fullmatch(r"[0-9a-f]{32}", token) for token in made)
-    assert len(set(made)) == len(made)
+    assert asked.count(16) == 200 and set(asked) <= {4, 16}  # 16 bytes = 128 bits
+    tokens = [token for size, token in zip(asked, made, strict=True) if size == 16]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", token) for token in tokens)
+    assert len(set(tokens)) == len(tokens)
 
 
 def _wrong_tokens(real: str) -> list[str]:

@@ -17,8 +17,9 @@ from _servers import ServerProcess
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
-# The most package files each operation may enter (issue 41's target: 10 and 10).
-BOUNDS = {"uncontended": 10, "handoff": 10}
+# The most package files each operation may enter (issue 41's target: 10 and 10). The
+# default mutex's local hand-off (issue 45) walks through `_engine/_cohort.py` as well.
+BOUNDS = {"uncontended": 11, "handoff": 11}
 
 
 def _counter() -> ModuleType:

@@ -34,7 +34,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "cohort_counter.py"
 
 
 async def run_chain(
-    client: redis.asyncio.Redis, name: str, tasks: int, iterations: int, bound: int
+    client: redis.asyncio.Redis, name: str, tasks: int, iterations: int, bound: int | None
 ) -> list[int]:
     """`tasks` tasks each hold `name` `iterations` times, logging the history; returns the
     fences in the order the holdings began."""
@@ -275,6 +275,30 @@ async def test_local_waiters_time_out_and_cancel_cleanly(r: redis.asyncio.Redis)
     await locks[2].release()  # adopts the finished task's holding
     assert (await RedisMutex(r, name).inspect()).owner is None
     assert cohorts_of(context_for(r)) == {}
+
+
+@pytest.mark.usefixtures("untimed")  # (the holdings log to Redis: past 10 ms, loaded)
+async def test_the_default_is_a_bounded_local_handoff(r: redis.asyncio.Redis) -> None:
+    """`RedisMutex` passes among its process's tasks by default (16 in a row at most); with
+    `max_hold`, which caps each holding, the default instance is strict FIFO by itself,
+    and only an explicit `local_handoff` with it is refused."""
+    context = context_for(r)
+    mutex = RedisMutex(r, "default")
+    holders = 4
+    before = context.commands_sent
+    fences = await run_chain(r, "default", holders, 1, None)
+    assert len(fences) == holders and all(a < b for a, b in itertools.pairwise(fences))
+    assert fences[-1] - fences[0] == holders - 1  # one block: passed on locally
+    assert context.commands_sent - before <= 3, context.commands_sent - before
+    async with mutex:
+        token = (await mutex.inspect()).owner
+        assert token is not None and token.endswith(f"+{_cohort.DEFAULT_LOCAL_HANDOFF + 1}")
+    capped = RedisMutex(r, "default", max_hold=5)
+    async with capped:
+        token = (await capped.inspect()).owner
+        assert token is not None and "+" not in token  # strict FIFO: a token of its own
+    with pytest.raises(ValueError, match="max_hold cannot be combined with local_handoff"):
+        RedisMutex(r, "default", max_hold=5, local_handoff=16)
 
 
 async def test_local_handoff_is_validated(r: redis.asyncio.Redis) -> None:

@@ -214,7 +214,8 @@ async def test_pubsub_connection_killed_while_waiting(r: redis.asyncio.Redis, ur
     waiters_client = redis.asyncio.Redis.from_url(url)
     try:
         holder = RedisMutex(r, "m:pubsub-kill", ttl=30)
-        shared = RedisMutex(waiters_client, "m:pubsub-kill", ttl=30)
+        # Strict FIFO: 20 tasks of one client, each queued on the server.
+        shared = RedisMutex(waiters_client, "m:pubsub-kill", ttl=30, local_handoff=0)
         probe = QueueProbe(waiters_client)
         assert await holder.acquire()
         order: list[int] = []
@@ -251,8 +252,10 @@ async def test_hand_off_publishes_only_across_clients(r: redis.asyncio.Redis, ur
     other = redis.asyncio.Redis.from_url(url)
     try:
         for clients, expected in (((r, r), 0), ((r, other), 10)):
-            holder = RedisMutex(clients[0], "m:publish", ttl=30)
-            waiter = RedisMutex(clients[1], "m:publish", ttl=30)
+            # Strict FIFO: one client's hand-off through the server's queue (a cohort's
+            # is local, no script at all).
+            holder = RedisMutex(clients[0], "m:publish", ttl=30, local_handoff=0)
+            waiter = RedisMutex(clients[1], "m:publish", ttl=30, local_handoff=0)
             probe = QueueProbe(clients[1])
             before = await command_count(r, {"spublish"}), await command_count(r, {"publish"})
             for _ in range(10):
@@ -281,7 +284,9 @@ async def test_a_try_that_hands_a_free_name_to_a_waiter_of_its_own_client_wakes_
     client, admin = client_from_url(redis_plain.url), client_from_url(redis_plain.url)
     try:
         await admin.flushall()
-        holder, waiter = RedisMutex(client, "own", ttl=30), RedisMutex(client, "own", ttl=30)
+        # Strict FIFO: a waiter of the holder's own client queued on the server.
+        holder = RedisMutex(client, "own", ttl=30, local_handoff=0)
+        waiter = RedisMutex(client, "own", ttl=30, local_handoff=0)
         probe = QueueProbe(client)
         assert await holder.acquire()
         waiting = asyncio.create_task(waiter.acquire(timeout=20))

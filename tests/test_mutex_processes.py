@@ -30,6 +30,7 @@ from _servers import arun_workers
 from _workers import LINE_TIMEOUT, Spawn, Worker
 
 from aiolocks import RedisMutex
+from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued
@@ -93,8 +94,10 @@ async def test_mutual_exclusion_across_processes(r: redis.asyncio.Redis, url: st
         assert all(a < b for a, b in itertools.pairwise(mine)), f"worker {worker}: {mine}"
     every = [fence for mine in fences.values() for fence in mine]
     assert len(set(every)) == len(every) == workers * iterations
-    # Every grant took one fence above every fence before it: the counter ends at the last.
-    assert (await RedisMutex(r, name).inspect()).fence == max(every)
+    # Every grant took one block of fences above every fence before it (one task per process:
+    # each block's first only): the counter ends at the top of the last grant's block.
+    top = max(every) + DEFAULT_LOCAL_HANDOFF
+    assert (await RedisMutex(r, name).inspect()).fence == top
     # They did contend (the barrier started them together): with FIFO hand-off the holder
     # changes at almost every grant (799 of 799 in practice); half of that is required.
     holder_of = {fence: worker for worker, mine in fences.items() for fence in mine}
@@ -160,7 +163,9 @@ async def test_fifo_across_processes_and_no_barging(
     assert (again or 0) > handed[-1]
     assert reacquired_at >= releasing[count - 1]
     info = await mutex.inspect()
-    assert (info.owner, info.queue_length, info.fence) == (None, 0, again)
+    # (`again` is the first fence of its cohort's block; the counter is at the block's top)
+    top = (again or 0) + DEFAULT_LOCAL_HANDOFF
+    assert (info.owner, info.queue_length, info.fence) == (None, 0, top)
 
 
 # -- 3. a holder process dies ---------------------------------------------------------------

@@ -116,8 +116,9 @@ async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Re
 
 
 async def _hold_while_queued(lock: Any, probe: QueueProbe, count: int) -> list[asyncio.Task[None]]:
-    """Start `count` tasks that each acquire and release `lock` once, and return when the
-    server has queued every one of them behind the current task's holding."""
+    """Start `count` tasks that each acquire and release `lock` once, and return when every
+    one of them is queued behind the current task's holding (on the server, or behind the
+    local hand-off cohort's)."""
 
     async def cycle() -> None:
         async with lock:
@@ -132,7 +133,7 @@ async def test_contended_mutex_acquisitions_waits_holds_and_handoffs(
     telemetry: Telemetry, client: redis.asyncio.Redis
 ) -> None:
     mutex = RedisMutex(client, "orders:42", ttl=5)
-    probe = QueueProbe(client)
+    probe = QueueProbe(client, local=True)
     waiters = 4
     assert await mutex.acquire()
     started = await _hold_while_queued(mutex, probe, waiters)
@@ -221,7 +222,7 @@ async def test_errors_and_cancellations_have_their_outcome(
     with pytest.raises(LockReentry):
         await mutex.acquire()
     waiter = asyncio.create_task(RedisMutex(client, "errors", ttl=5).acquire())
-    await QueueProbe(client).wait_queued(1, 5.0)
+    await QueueProbe(client, local=True).wait_queued(1, 5.0)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -308,7 +309,7 @@ async def test_semaphore_and_rwlock_kinds(
     async with RedisSemaphore(client, "slots", limit=2, ttl=5):
         pass
     rw = RedisReadWriteLock(client, "catalog", ttl=5)
-    probe = QueueProbe(client)
+    probe = QueueProbe(client, local=True)
     assert await rw.write().acquire()
     readers = await _hold_while_queued(rw.read(), probe, 2)
     await rw.write().release()  # lets both readers in at once: two hand-offs
@@ -421,7 +422,7 @@ async def test_statistics_count_without_telemetry(client: redis.asyncio.Redis) -
     assert not aiolocks.otel.is_instrumented()
     mutex = RedisMutex(client, "local", ttl=5)
     assert await mutex.acquire()
-    started = await _hold_while_queued(mutex, QueueProbe(client), 2)
+    started = await _hold_while_queued(mutex, QueueProbe(client, local=True), 2)
     await mutex.release()
     await asyncio.wait_for(asyncio.gather(*started), 5.0)
     with pytest.raises(LockLost):

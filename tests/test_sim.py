@@ -19,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # CI's share: about two minutes of seeds on a 2-core machine (`nox -s sweep`: 1-1000).
+# Seed 21 found a bug there: a multi-lock's release waited for its first name's lease, not
+# for the first of its leases to end (a name granted by a late reply: SLOW release multi).
 CI_SEEDS = "1-24"
 CI_DURATION = "20"
 # Seeds past CI's range that each found a bug (issue 40): an oracle gap, OWNERLESS BELIEF on

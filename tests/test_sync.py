@@ -14,7 +14,8 @@ import redis
 import redis.asyncio
 from _servers import ServerProcess
 
-from aiolocks import LockLost, LockNotOwned, LockReentry, LockTimeout
+from aiolocks import Limit, LockLost, LockNotOwned, LockReentry, LockTimeout
+from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
 from aiolocks.sync import (
     RedisMutex,
     RedisRateLimiter,
@@ -76,7 +77,9 @@ def test_same_keys_as_the_asyncio_mutex(sync_r: redis.Redis) -> None:
     with RedisMutex(sync_r, "orders:42") as mutex:
         assert sync_r.exists("aiolocks:mutex:{orders:42}:owner")
         info = mutex.inspect()
-        assert info.owner is not None and info.fence == mutex.fencing_token
+        # (the counter is at the top of the fence block the cohort's grant reserved)
+        top = (mutex.fencing_token or 0) + DEFAULT_LOCAL_HANDOFF
+        assert info.owner is not None and info.fence == top
     assert not sync_r.exists("aiolocks:mutex:{orders:42}:owner")
 
 
@@ -226,6 +229,11 @@ def test_rate_limiter_and_registry(sync_r: redis.Redis) -> None:
     with fast, fast:  # the second waits for its slot, about 10 ms
         pass
     assert fast.inspect().burst == 1
+    # a live change from a thread: the other instance adopts it; several limits
+    other = RedisRateLimiter(sync_r, "api", rate=1, per=60, burst=2)
+    assert slow.set_limits(limits=[Limit(1, per=60, burst=3)]) == (Limit(1.0, 60.0, 2),)
+    assert other.acquire(blocking=False) and other.limits == (Limit(1.0, 60.0, 3),)
+    assert not other.acquire(blocking=False)  # the 2 taken before still count
     registry = RedisRegistry(sync_r, "users")
     assert registry.register("alice") == 1
     assert registry.register_many(["bob", "alice"]) == [2, 1]
@@ -235,8 +243,10 @@ def test_rate_limiter_and_registry(sync_r: redis.Redis) -> None:
 
 def test_a_waiting_thread_sends_no_commands(sync_r: redis.Redis) -> None:
     """Waits never poll: a thread queued for 1 s costs its queueing and nothing more."""
-    holder = RedisMutex(sync_r, "idle")
-    waiter = RedisMutex(sync_r, "idle")
+    # Strict FIFO: the waiting thread queued on the server (a cohort's waits here, no
+    # command at all).
+    holder = RedisMutex(sync_r, "idle", local_handoff=0)
+    waiter = RedisMutex(sync_r, "idle", local_handoff=0)
     pubsub = sync_r.pubsub()  # type: ignore[no-untyped-call]
     pubsub.subscribe("__keyspace@0__:aiolocks:mutex:{idle}:queue")
     assert pubsub.get_message(timeout=BOUND) is not None  # the subscription's confirmation

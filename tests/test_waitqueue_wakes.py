@@ -6,6 +6,8 @@ way. Shown here: a promotion to head wakes nobody, and neither does a lease end 
 learned to be later meanwhile; the lot's timer still re-checks for the head only, at the
 lease's real end, when it ends without a message; a waiter queued behind a local holder is
 not woken by that holder's release (which grants another), and its timeout still holds.
+Every mutex here is strict FIFO (`local_handoff=0`): these are the server queue's waiters;
+the default's tasks of one process wait in the process instead (tests/test_local_handoff.py).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class Queued:
 
 async def queue(client: redis.asyncio.Redis, name: str, probe: QueueProbe) -> Queued:
     """A waiter of `client` (ttl 30 s, timeout 20 s), once queued on the server."""
-    mutex = RedisMutex(client, name, ttl=30)
+    mutex = RedisMutex(client, name, ttl=30, local_handoff=0)
     task = asyncio.create_task(mutex.acquire(timeout=20))
     await probe.wait_queued(len(probe.queued) + 1)
     return Queued(mutex, task, context_for(client).waitqueue._by_token[probe.queued[-1]])
@@ -137,7 +139,7 @@ async def test_a_promotion_to_head_wakes_no_one(clients: list[redis.asyncio.Redi
     """The head of a lot leaves (here: cancelled) while the holder's lease has long to run:
     the new head's task is not woken (before: woken only to re-arm the safety-net timer)."""
     here, there = clients
-    holder = RedisMutex(there, "wakes:promotion", ttl=30)
+    holder = RedisMutex(there, "wakes:promotion", ttl=30, local_handoff=0)
     assert await holder.acquire()
     probe = QueueProbe(here)
     first, second, third = [await queue(here, "wakes:promotion", probe) for _ in range(3)]
@@ -232,7 +234,9 @@ async def queued_behind(clients: list[redis.asyncio.Redis], name: str, timeout: 
     while a task of its own client holds the mutex; that holder's release grants the other
     client's waiter."""
     here, there = clients
-    holder, local, remote = (RedisMutex(client, name, ttl=30) for client in (here, here, there))
+    holder, local, remote = (
+        RedisMutex(client, name, ttl=30, local_handoff=0) for client in (here, here, there)
+    )
     assert await holder.acquire()
     remote_probe = QueueProbe(there)
     remote_waiting = asyncio.create_task(remote.acquire(timeout=20))

@@ -43,10 +43,12 @@ __all__ = [
     "node_client",
     "on_aclose",
     "pooled_connection",
+    "pubsub_unsubscribed",
     "reply_error",
     "socket_transport",
     "ssubscribe",
     "sunsubscribe",
+    "take_unread",
     "text",
     "unread",
     "writer_of",
@@ -140,6 +142,37 @@ def unread(connection: Any) -> bool | None:
     if not isinstance(stream, asyncio.StreamReader):
         return None
     return bool(stream._buffer) or stream.at_eof()  # type: ignore[attr-defined]
+
+
+def take_unread(connection: Any) -> bytes | None:
+    """The bytes received on `connection` that wait unread in its asyncio stream, taken out
+    of it (to be parsed elsewhere); None if its stream saw its end, or is no asyncio one."""
+    stream = connection._reader
+    if not isinstance(stream, asyncio.StreamReader) or stream.at_eof():
+        return None
+    buffer = stream._buffer  # type: ignore[attr-defined]
+    received = bytes(buffer)
+    buffer.clear()
+    return received
+
+
+def pubsub_unsubscribed(pubsub: Any, kind: bytes, channel: bytes) -> None:
+    """Tell `pubsub` the server confirmed the unsubscription of `channel` (`kind`:
+    b"unsubscribe" or b"sunsubscribe"), as its own read would (`PubSub.handle_message`):
+    it forgets the channel, and so no longer subscribes it again on re-connecting. For a
+    reader that parses the connection's replies itself."""
+    sharded = kind == b"sunsubscribe"
+    # redis-py < 8 (and valkey-py < 6.1) keep no sharded channels: `ssubscribe` above does.
+    pending = getattr(
+        pubsub,
+        "pending_unsubscribe_shard_channels" if sharded else "pending_unsubscribe_channels",
+        None,
+    )
+    if pending is not None and channel in pending:
+        pending.remove(channel)
+        subscribed = getattr(pubsub, "shard_channels" if sharded else "channels", None)
+        if subscribed is not None:
+            subscribed.pop(channel, None)
 
 
 def reply_error(connection: Any) -> Any:

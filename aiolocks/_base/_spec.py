@@ -97,9 +97,15 @@ class Miss:
     unanswered: bool  # the server had not answered the call in flight when time ran out
     wait_ms: int = -1  # the last answer: until the first lease in the way ends (-1 unknown)
     failure: str | None = None  # the last re-check's connection error, if it failed
+    local: bool = False  # it waited in its process's local hand-off cohort, not on the server
 
     def situation(self) -> str:
         """The situation, in words, for `LockTimeout`'s message."""
+        if self.local:
+            return (
+                "held by another task of this process (it waited behind it here, in the "
+                "local hand-off, never on the server's queue)"
+            )
         if self.unanswered:
             return "Redis did not answer in time (a stalled server or link, not contention)"
         if self.failure is not None:

@@ -23,15 +23,14 @@ and, if the server may hold state for the token, withdraws it (`_release.withdra
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import functools
 import logging
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+from .._base import _clock
 from .._base._errors import (
     AUTHENTICATION_ERRORS,
     INVALID_RESPONSE_ERRORS,
@@ -55,11 +54,10 @@ from ._release import (
     CLEANUP_BOUND,
     GRACE,
     Granted,
+    InFlight,
     background_release,
     bounded,
     granted_in,
-    settled,
-    unstopped,
     wake_granted,
     withdraw,
 )
@@ -182,10 +180,10 @@ class _Acquisition:
     backoff: float = RETRY_MIN  # the next wait while Redis cannot be reached
     miss: Miss = _NOT_YET  # what it ends with if time runs out now
     # Its last acquire call: when it was made, when it went out (behind a burst: later)
-    # and, while unanswered, the task that carries it on (`unstopped`).
+    # and, while unanswered, the call itself (`InFlight`).
     sent_at: float = 0.0
     written: list[float] = field(default_factory=list)
-    in_flight: asyncio.Future[Any] | None = None
+    in_flight: InFlight[list[Any]] | None = None
 
     async def run(self) -> Grant | Miss:
         """The state diagram of the module docstring, then `leave`."""
@@ -236,9 +234,9 @@ class _Acquisition:
 
     async def call(self) -> list[Any]:
         """One acquire call, awaited until the deadline; a call that may grant or queue the
-        token is left to finish if the caller leaves (`unstopped`)."""
+        token is left to finish if the caller leaves (`InFlight`)."""
         context, spec, waiter = self.context, self.spec, self.waiter
-        self.sent_at = time.monotonic()
+        self.sent_at = _clock.monotonic()
         if waiter is not None and waiter.queued_at == 0.0:
             waiter.still_queued(self.sent_at)  # unknown to the server before this call
         self.on_server = True
@@ -251,10 +249,8 @@ class _Acquisition:
             (self.member, mode, spec.channel, *spec.args),
             sent=written.append,
         )
-        self.in_flight = unstopped(context, pending)
-        reply: list[Any] = await bounded(
-            pending if self.in_flight is None else asyncio.shield(self.in_flight), self.deadline
-        )
+        in_flight = self.in_flight = InFlight(pending, context)
+        reply: list[Any] = await in_flight.reply(self.deadline)
         self.in_flight = None
         return reply
 
@@ -310,10 +306,10 @@ class _Acquisition:
     async def outage(self) -> _Next:
         """OUTAGE: Redis could not be reached; re-try after a back-off (or sooner, on a
         reconnect or a grant), until the caller's own deadline."""
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.deadline is not None and _clock.monotonic() >= self.deadline:
             return self.miss
         waiter = self.parked()
-        wake = await waiter.sleep(time.monotonic() + self.backoff)
+        wake = await waiter.sleep(_clock.monotonic() + self.backoff)
         self.backoff = min(self.backoff * 2, RETRY_MAX)
         return self.granted_to(waiter) if wake is Wake.GRANTED else TRY
 
@@ -365,21 +361,16 @@ class _Acquisition:
         # Awaited until the caller's deadline (a little past it), or, without one, up to
         # CLEANUP_BOUND; past that it goes on in the background.
         deadline = self.deadline
-        until = None if deadline is None else max(deadline, time.monotonic()) + GRACE
+        until = None if deadline is None else max(deadline, _clock.monotonic()) + GRACE
         if self.unanswered:
-            until = time.monotonic() + GRACE
-        after = None
-        if self.in_flight is not None:
-            after = self.wake_after(self.in_flight)
+            until = _clock.monotonic() + GRACE
+        after = None if self.in_flight is None else self.in_flight.after(self.wake_granted)
         await withdraw(context, spec, token, ttl_ms, until, after=after)
 
-    async def wake_after(self, in_flight: asyncio.Future[list[Any]]) -> None:
-        """Wait for the acquire call the departed acquisition left in flight, and wake the
-        local waiters its reply granted."""
-        reply = await settled(in_flight)
-        if reply is not None:
-            sent_at = self.written[0] if self.written else self.sent_at
-            wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)
+    def wake_granted(self, reply: list[Any]) -> None:
+        """The local waiters granted by the reply of the call the acquisition left in flight."""
+        sent_at = self.written[0] if self.written else self.sent_at
+        wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)
 
 
 async def _subscribe(context: ClientContext, spec: Spec, deadline: float | None) -> bool:
@@ -413,7 +404,7 @@ def late_grant(granted_at: float, ttl_ms: int) -> bool:
     """A grant whose lease, counted from `granted_at`, has less than half its validity left:
     to be confirmed with the server before it is reported (see `LateGrants`)."""
     ttl = ttl_ms / 1000.0
-    return validity(granted_at, ttl) - time.monotonic() < ttl * _CONFIRM_BELOW
+    return validity(granted_at, ttl) - _clock.monotonic() < ttl * _CONFIRM_BELOW
 
 
 class LateGrants:

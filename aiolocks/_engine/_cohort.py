@@ -22,18 +22,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import time
 from collections import deque
 from typing import Any, Protocol
 
+from .._base import _clock
 from .._base._spec import Grant, Spec
-from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, validity
+from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner
 from . import _release
 from ._context import ClientContext
 from ._release import Released, Unanswered
 
 __all__ = [
     "CHAIN_LIMIT",
+    "DEFAULT_LOCAL_HANDOFF",
     "MAX_LOCAL_HANDOFF",
     "Cohort",
     "Member",
@@ -45,6 +46,8 @@ __all__ = [
 
 
 MAX_LOCAL_HANDOFF = 10_000
+# `RedisMutex`'s default bound: measured best of 4 and 16 (docs/benchmarks.md).
+DEFAULT_LOCAL_HANDOFF = 16
 # Local passes stop once the lease has stayed in this process so long since it came from
 # Redis, and after any holding this long. Go's sync.Mutex turns fair after a 1 ms wait, but
 # a pass through Redis costs ~100x a thread's hand-off (a round trip): 10 ms keeps 0.1-5 ms
@@ -52,10 +55,6 @@ MAX_LOCAL_HANDOFF = 10_000
 CHAIN_LIMIT = 0.010
 
 _Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
-
-# Where a context keeps its cohorts (`ClientContext.extensions`): the context, below this
-# module, holds them without knowing their type, and frees them with itself.
-_EXTENSION = "cohorts"
 
 
 class Member(Protocol):
@@ -95,9 +94,7 @@ class _LocalWaiter:
 
 def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
     """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
-    cohorts: dict[_Key, Cohort] | None = context.extensions.get(_EXTENSION)
-    if cohorts is None:
-        cohorts = context.extensions[_EXTENSION] = {}
+    cohorts: dict[_Key, Cohort] = context.keep("cohorts", dict)
     return cohorts
 
 
@@ -168,7 +165,7 @@ class Cohort:
         waiter = _LocalWaiter(lock, task)
         self._queue.append(waiter)
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else max(0.0, deadline - _clock.monotonic())
             await asyncio.wait((waiter.future,), timeout=timeout)
         except BaseException:
             await self._abandon(waiter)
@@ -217,7 +214,7 @@ class Cohort:
         self.token = grant.token
         self._next_fence = grant.fence + 1
         self.passes = 0
-        self._chain_start = time.monotonic()
+        self._chain_start = _clock.monotonic()
         give_back = functools.partial(
             _release.release, self._context, self._spec, grant.token, self._ttl_ms
         )
@@ -231,7 +228,7 @@ class Cohort:
         assert self.token is not None and self._lease is not None
         holding = lock._install(task, self.token, fence, self._lease)
         self._holder = (lock, holding)
-        self._held_since = time.monotonic()
+        self._held_since = _clock.monotonic()
 
     def _promote(self) -> None:
         """Make the first waiting task the contender, if nobody is contending or holding."""
@@ -255,36 +252,30 @@ class Cohort:
         self, lock: Member, holding: Holding, until: float | None = None
     ) -> bool | Unanswered | None:
         """Release `holding` (already taken from `lock`): hand it to the next local task, or
-        give the lease back through Redis. Returns True when it was held (False if not,
-        None if unsure: see `_release.release`); UNANSWERED when Redis did not answer by
-        `until` (the lease's validity; the call then goes on in the background)."""
+        give the lease back through Redis, as every release (`_release.release_until`).
+        Returns True when it was held (False if not, None if unsure: see
+        `_release.release`); UNANSWERED when Redis did not answer by `until` (by default
+        the lease's validity; the call then goes on in the background)."""
         try:
             if self._holder is not None and self._holder[1] is holding:
                 self._holder = None
-            if holding.token != self.token:
+            lease = self._lease
+            if holding.token != self.token or lease is None:
                 # The cohort let go of it already (lost): only tidy up on the server.
                 return await _release.release(
                     self._context, self._spec, holding.token, self._ttl_ms
                 )
-            lease = self._lease
-            if lease is not None and lease.remaining <= 0:
-                # Its validity ended unrenewed (a stalled loop): not passed on locally (the
-                # server may have ended it), but given back; the holder learns it is lost,
-                # as a mutex holder releasing past its validity does.
-                answer = await _release.answered_by(self._return(holding.token), until)
-                return answer if isinstance(answer, _release.Unanswered) else False
+            # A lease whose validity ended unrenewed (a stalled loop) is not passed on
+            # locally (the server may have ended it): its release tells the holder.
+            valid = lease.remaining > 0
             waiter = self._next_waiter()
-            if waiter is not None and self._may_pass():
+            if waiter is not None and valid and self._may_pass():
                 self._pass(waiter, lock._spec)
                 return True
             if waiter is not None:
                 self._queue.appendleft(waiter)
-                return await _release.answered_by(
-                    self._keep_or_return(holding.token, lock._spec), until
-                )
-            if until is None:
-                return await self._return(holding.token)
-            return await _release.answered_by(self._return(holding.token), until)
+            keep = waiter is not None and valid
+            return await self._give_back(lease, lock._spec, until, keep)
         finally:
             self._retire_if_idle()
 
@@ -293,7 +284,7 @@ class Cohort:
         has stayed here, and not after a long holding."""
         if self.passes >= self.bound:
             return False
-        now = time.monotonic()
+        now = _clock.monotonic()
         return now - self._chain_start < CHAIN_LIMIT and now - self._held_since < CHAIN_LIMIT
 
     def detach(self, holding: Holding) -> None:
@@ -314,48 +305,71 @@ class Cohort:
         self._give(waiter.lock, waiter.task, fence)
         waiter.future.set_result(_Turn.HOLD)
 
-    async def _keep_or_return(self, token: str, releaser: Spec) -> bool | None:
-        """The bound is reached with local tasks waiting: the release script gives the lease
-        to the global queue, or, when nobody waits there, lets the cohort keep it with a
-        fresh lease and fence block (one round trip either way)."""
+    async def _give_back(
+        self, lease: Lease, releaser: Spec, until: float | None, keep: bool
+    ) -> bool | Unanswered | None:
+        """Give the lease back through the release every holder uses (the client's release
+        gate, the lease renewed until the answer). `keep` (local tasks still wait, the bound
+        reached): the release script gives it to the global queue, or, when nobody waits
+        there, lets the cohort keep it with a fresh lease and fence block (one round trip
+        either way); a release cut short gives it back."""
+        token = self.token
+        assert token is not None
         context, spec = self._context, self._spec
-        sent_at = time.monotonic()
-        try:
-            reply, unsure = await _release.release_reply(context, spec, token, self._ttl_ms, "keep")
-        except BaseException:
-            self._let_go()
-            self._promote()
-            raise
-        status = reply.status
-        if status is not Released.KEPT:
+        self.token, self._lease = None, None  # the release's now (it drops it from the keeper)
+        kept: list[tuple[float, int]] = []  # (sent at, next fence) if the script kept it
+
+        async def keep_or_return() -> bool | None:
+            sent_at = _clock.monotonic()
+            written: list[float] = []
+            reply, unsure = await _release.release_reply(
+                context, spec, token, self._ttl_ms, "keep", sent=written.append
+            )
+            sent_at = written[0] if written else sent_at
+            status = reply.status
+            if status is Released.KEPT:
+                kept.append((sent_at, reply.fence))
+                return True
             _release.wake_granted(context, spec, reply.grants, sent_at)
             _release.handed_off(releaser, len(reply.grants))
-            self._let_go()
-            self._promote()
             return None if unsure and status is Released.NOT_HELD else status is Released.HELD
-        if self.token != token or self._lease is None:
-            # Lost while the call was in flight, yet kept: give it straight back.
-            await _release.release(context, spec, token, self._ttl_ms)
-            return True
-        self._lease.valid_until = validity(sent_at, self._lease.ttl)
-        self._lease.next_due = sent_at + self._lease.ttl / 3
-        self._next_fence = reply.fence
-        waiter = self._next_waiter()
-        if waiter is None:  # it gave up while the call was in flight
-            await self._return(token)
-            return True
-        self._pass(waiter, releaser)
-        self.passes = 0  # a new block: that pass came from Redis
-        self._chain_start = sent_at
-        return True
 
-    async def _return(self, token: str) -> bool | None:
-        """Give the lease back to Redis (which hands it to the global queue's head)."""
-        self._let_go()
         try:
-            return await _release.release_surely(self._context, self._spec, token, self._ttl_ms)
+            answer = await _release.release_until(
+                context,
+                spec,
+                token,
+                self._ttl_ms,
+                lease.valid_until if until is None else until,
+                lease=lease,
+                first=keep_or_return if keep else None,
+            )
+        except BaseException:
+            kept.clear()  # (none: a call cut short was given back by its clean-up)
+            raise
         finally:
+            if not kept:
+                self._promote()
+        if kept:
+            self._keep(token, lease, releaser, *kept[0])
+        return answer
+
+    def _keep(self, token: str, lease: Lease, releaser: Spec, sent_at: float, fence: int) -> None:
+        """The release script let the cohort keep its lease: the next local task holds it,
+        the first of a new block (that pass came from Redis)."""
+        waiter = self._next_waiter() if self.token is None and not self._contending else None
+        if waiter is None:
+            # The waiters gave up while the call was in flight (or another contends now):
+            # nobody to keep it for.
             self._promote()
+            _release.background_release(self._context, self._spec, token, self._ttl_ms)
+            return
+        self.token, self._lease, self._next_fence = token, lease, fence
+        lease.kept(sent_at)
+        self._context.keeper.hold(lease)
+        self._pass(waiter, releaser)
+        self.passes = 0
+        self._chain_start = sent_at
 
     def _retire_if_idle(self) -> None:
         """Forget this cohort once nobody uses it (names may be many and short-lived)."""

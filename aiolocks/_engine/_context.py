@@ -12,20 +12,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from .._base import _adapter
 from .._base._clients import AnyRedis
-from .._base._coalesce import Coalescer
 from .._leases._keeper import LeaseKeeper
 from .._transport._runner import ScriptRunner
 from .._waiting._notifier import Notifier
 from .._waiting._waitqueue import WaitQueue
 
 __all__ = ["ClientContext", "Gate", "context_for", "open_context"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("aiolocks")
 
@@ -166,14 +168,9 @@ class ClientContext(ScriptRunner):
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see `Gate`).
         self.releases = Gate(RELEASES_IN_FLIGHT)
-        # Registries' coalesced register() calls, by the registry's ids key.
-        self.coalescers: dict[bytes, Coalescer[bytes, int]] = {}
-        # What the layers above keep per context, each under its own name (the local
-        # hand-off cohorts of `_cohort.py`): held, and freed, with the context.
-        self.extensions: dict[str, Any] = {}
-        # Called when the engine stops on this client (closed, or its loop ending), so a
-        # layer above ends its own timers and tasks with it (the election observers' hubs).
-        self.on_stop: list[Callable[[], None]] = []
+        # What the layers above keep per client (`keep`), and what stops it with the engine.
+        self._kept: dict[str, Any] = {}
+        self._on_stop: list[Callable[[], None]] = []
         self.closed = False
         # Clean-ups left to finish in the background (see `_release.withdraw`): the end of
         # the loop waits for them.
@@ -183,6 +180,19 @@ class ClientContext(ScriptRunner):
         # the loop's end runs each again.
         self.interrupted: list[Callable[[], Awaitable[None]]] = []
         self._loop_end: AsyncGenerator[None, None] | None = _watch_loop_end(self)
+
+    def keep(self, key: str, make: Callable[[], T], stop: Callable[[T], None] | None = None) -> T:
+        """What a layer above keeps for this client under `key` (the local hand-off cohorts,
+        the registries' coalescers, the election observers' hubs): made by `make` on first
+        use, freed with the context, and given to `stop` when the engine stops on this
+        client (closed, or its loop ending), so that layer ends its timers and tasks with it.
+        The one mechanism for per-client state above the engine."""
+        if key not in self._kept:
+            kept = self._kept[key] = make()
+            if stop is not None:
+                self._on_stop.append(functools.partial(stop, kept))
+        made: T = self._kept[key]
+        return made
 
     async def aclose(self) -> None:
         """Stop the background tasks of this client (held leases are no longer renewed)."""
@@ -207,7 +217,7 @@ class ClientContext(ScriptRunner):
 
     async def _stop(self) -> None:
         self.closed = True
-        stopping, self.on_stop = self.on_stop, []
+        stopping, self._on_stop = self._on_stop, []
         for stop in stopping:
             stop()
         await self.keeper.aclose()

@@ -18,14 +18,12 @@ import contextvars
 import functools
 import inspect
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar
 
-from .._base import _spec, _telemetry
+from .._base import _clock, _spec, _telemetry
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import (
     LockError,
@@ -65,6 +63,8 @@ R = TypeVar("R")
 
 # Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
+# An acquisition that waited for its process's other tasks only (`local_handoff`).
+_LOCAL_MISS = _spec.Miss(unanswered=False, local=True)
 _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
@@ -234,7 +234,7 @@ class LeasedLock(AsyncWithOnly):
         """Arm `max_hold` for `holding`, counted from `since` (monotonic)."""
         if self._max_hold is None or holding.lease is None:
             return
-        delay = max(0.0, since + self._max_hold - time.monotonic())
+        delay = max(0.0, since + self._max_hold - _clock.monotonic())
         holding.cap = asyncio.get_running_loop().call_later(
             delay, self._max_hold_reached, context, holding
         )
@@ -247,7 +247,7 @@ class LeasedLock(AsyncWithOnly):
         if lease is None or lease.lost or holding.is_lost:
             return
         self._stop_renewal(context, holding)
-        lease.lost = True
+        lease.ended()
         assert self._max_hold is not None
         self._lease_lost(
             holding, f"held for max_hold={self._max_hold:g} s, so its renewal was stopped"
@@ -319,12 +319,14 @@ class LeasedLock(AsyncWithOnly):
         if held is not None:
             raise LockReentry(self._name, reason, token=held.token)
         context = context_for(self._client)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else _clock.monotonic() + timeout
         self._waiting += 1
         try:
             if self._local_handoff:
                 cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
                 acquired = await cohort.acquire(self, task, blocking, deadline)
+                if not acquired and _last_miss.get() is None:  # (no call to Redis told why)
+                    _last_miss.set(_LOCAL_MISS)
             else:
                 grant = await self._acquire_grant(context, 0, blocking, deadline)
                 acquired = grant is not None
@@ -343,7 +345,7 @@ class LeasedLock(AsyncWithOnly):
     ) -> _spec.Grant | None:
         """One acquisition through Redis (replication confirmed, if asked for); `bound` > 0
         makes it a local hand-off cohort's, which reserves `bound + 1` fences."""
-        token = secrets.token_hex(16)
+        token = _clock.token_hex(16)
         if bound:
             token = cohort_token(token, bound)
         try_bound, deadline = self._try_deadline(blocking, deadline)
@@ -371,14 +373,13 @@ class LeasedLock(AsyncWithOnly):
         spec, ttl_ms, replicas = self._spec, self._ttl_ms, self._replicas
         # The acquire script again (it may grant the token anew), on a pooled connection of its
         # own even with auto-pipelining: in a task that leaving does not stop, and the give-back
-        # is sent after its reply (`_release.unstopped`).
-        confirming = _acquire.confirm(
-            context, spec, grant.token, ttl_ms, replicas, self._replica_timeout_ms
+        # is sent after its reply (`_release.InFlight`).
+        in_flight = _release.InFlight(
+            _acquire.confirm(context, spec, grant.token, ttl_ms, replicas, self._replica_timeout_ms)
         )
-        in_flight = asyncio.ensure_future(confirming)
         try:
             with map_redis_errors(self._name):
-                status, acked = await asyncio.shield(in_flight)
+                status, acked = await in_flight.reply()
             if status is not _acquire.Status.GRANTED:
                 raise LockLost(
                     self._name, "lost before its replication was confirmed", token=grant.token
@@ -398,7 +399,7 @@ class LeasedLock(AsyncWithOnly):
         except BaseException:
             if not given_back:
                 await _release.withdraw(
-                    context, spec, grant.token, ttl_ms, None, after=_release.settled(in_flight)
+                    context, spec, grant.token, ttl_ms, None, after=in_flight.after()
                 )
             raise
 
@@ -415,7 +416,7 @@ class LeasedLock(AsyncWithOnly):
         if blocking:
             return None, deadline
         try_bound = _try_bound(self._client)
-        return try_bound, time.monotonic() + try_bound
+        return try_bound, _clock.monotonic() + try_bound
 
     def _missed(self, miss: _spec.Miss, try_bound: float | None, token: str) -> None:
         """An acquisition ended without the primitive: noted for `LockTimeout`'s message; a
@@ -448,7 +449,7 @@ class LeasedLock(AsyncWithOnly):
             if lost is not None:
                 # Best-effort: the key is gone or someone else's; this only tidies the
                 # queue, and never delays the report (a link that stalled may be why).
-                until = time.monotonic() + _release.GRACE
+                until = _clock.monotonic() + _release.GRACE
                 await _release.withdraw(
                     lost, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
                 )
@@ -545,22 +546,22 @@ class LeasedLock(AsyncWithOnly):
         if task in self._holdings or self._held_elsewhere(task) is not None:
             raise LockReentry(self._name, "the current task already holds it")
         context = context_for(self._client)
-        token = secrets.token_hex(16)
+        token = _clock.token_hex(16)
         script, keys = self._adopt_call()
-        sent_at = time.monotonic()
-        pending = context.run(script, keys, (handle.token, token, self._ttl_ms))
-        in_flight = _release.unstopped(context, pending)  # no auto-pipeline: see there
+        sent_at = _clock.monotonic()
+        in_flight = _release.InFlight(
+            context.run(script, keys, (handle.token, token, self._ttl_ms)), context
+        )
         try:
             with map_redis_errors(self._name):
-                taken = await (pending if in_flight is None else asyncio.shield(in_flight))
+                taken = await in_flight.reply()
         except BaseException:
             # The script may have run: give back what the new token may hold (after its
             # reply, if it is still on its way), awaited up to CLEANUP_BOUND, then in the
             # background.
             release = functools.partial(self._release_call, context, token)
-            after = None if in_flight is None else _release.settled(in_flight)
             await _release.withdraw(
-                context, self._spec, token, self._ttl_ms, None, release, after=after
+                context, self._spec, token, self._ttl_ms, None, release, after=in_flight.after()
             )
             raise
         if not int(taken):

@@ -12,8 +12,8 @@ One module decides what is retried, how often and for how long (`RETRY_POLICY` b
   failed acquisition, an interrupted release): a task of its own, awaited up to a bound,
   then retried in the background while Redis cannot be reached, until the server forgets
   the token by itself (its ttl).
-- the awaiting helpers (`completed`, `unstopped`, `settled`, `bounded`, `shielded`,
-  `answered_by`): a call whose reply a cancellation or a deadline must not cut short.
+- the awaiting helpers (`InFlight`, `completed`, `bounded`, `shielded`, `answered_by`): a
+  call whose reply a cancellation or a deadline must not cut short.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import enum
 import functools
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
-from .._base import _telemetry
+from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._errors import AUTHENTICATION_ERRORS, EngineClosed, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec
@@ -41,6 +40,7 @@ __all__ = [
     "GRACE",
     "UNANSWERED",
     "Granted",
+    "InFlight",
     "ReleaseReply",
     "Released",
     "Unanswered",
@@ -56,9 +56,7 @@ __all__ = [
     "release_reply",
     "release_surely",
     "release_until",
-    "settled",
     "shielded",
-    "unstopped",
     "wake_granted",
     "withdraw",
 ]
@@ -125,7 +123,7 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     When the script hands the primitive to a waiter of this same client, that waiter is
     woken here rather than by the pub/sub round trip.
     """
-    sent_at = time.monotonic()
+    sent_at = _clock.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
     wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
@@ -261,9 +259,9 @@ async def withdraw(
     otherwise it goes on in the background, for at most max(CLEANUP_BOUND, ttl) (past the
     ttl the server has forgotten the token by itself), and a failure is logged. `after`:
     awaited first, in that task, for at most as long (the reply of the token's own call in
-    flight, see `answered`; past it, that call is abandoned and the release sent)."""
+    flight, see `InFlight.after`; past it, that call is abandoned and the release sent)."""
     task = background_release(context, spec, token, ttl_ms, call, after)
-    wait = CLEANUP_BOUND if until is None else max(0.0, until - time.monotonic())
+    wait = CLEANUP_BOUND if until is None else max(0.0, until - _clock.monotonic())
     if not task.done():
         await completed(asyncio.wait((task,), timeout=wait))
     return task.done()
@@ -342,11 +340,11 @@ async def _retried(
             await asyncio.wait_for(after, bound)
         except TimeoutError:
             log.debug("aiolocks: a call of %r (token %s) unanswered; cleaning up", name, token)
-    give_up = time.monotonic() + bound
+    give_up = _clock.monotonic() + bound
     delay = RETRY_MIN
     while True:
         try:
-            await asyncio.wait_for(call(), give_up - time.monotonic())
+            await asyncio.wait_for(call(), give_up - _clock.monotonic())
             return
         except asyncio.CancelledError:
             raise  # the loop is shutting down
@@ -359,7 +357,7 @@ async def _retried(
                 # connection error: stop here, or the loop's end waits out the whole bound.
                 raise asyncio.CancelledError from exc
             outage = isinstance(exc, PASSING_OUTAGE) and not isinstance(exc, AUTHENTICATION_ERRORS)
-            if not outage or time.monotonic() + delay >= give_up:
+            if not outage or _clock.monotonic() + delay >= give_up:
                 log.warning(
                     "aiolocks: clean-up of %r (token %s) not confirmed (%r); the server "
                     "forgets the token when its ttl ends",
@@ -398,10 +396,13 @@ async def release_until(
     until: float,
     call: Callable[[], Awaitable[bool | None]] | None = None,
     lease: Lease | None = None,
+    first: Callable[[], Awaitable[bool | None]] | None = None,
 ) -> bool | Unanswered | None:
     """`release_surely`, waited for until the monotonic time `until` at most (a lease's
     validity): past it the answer is UNANSWERED and the release goes on in the background.
-    `call` replaces the release of `spec` (a multi-lock releases several).
+    `call` replaces the release of `spec` (a multi-lock releases several); `first` replaces
+    the first call only, not the clean-up after a cancellation or a timeout (a cohort that
+    asks to keep its lease: cleaning up, it gives it back).
 
     With `lease` (still held by the keeper), the keeper goes on renewing it until the
     release is answered, and the wait follows its validity as renewals move it: a release
@@ -412,16 +413,17 @@ async def release_until(
     `RELEASES_IN_FLIGHT` releases of a client are in flight; the others wait for a place
     (`_context.Gate`), their validity followed from when they have one."""
     if lease is not None:
-        lease.releasing = True  # the keeper renews it on, but reports no loss of it
+        lease.release_begun()  # the keeper renews it on, but reports no loss of it
     bound: _ValidityBound | None = None
     try:
         # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
         await context.releases.enter()
-        first = release(context, spec, token, ttl_ms) if call is None else call()
+        once = first or call
+        calling = release(context, spec, token, ttl_ms) if once is None else once()
         async with asyncio.timeout(None) as scope:
             try:
                 bound = _ValidityBound(scope, until, lease)
-                return await first
+                return await calling
             finally:
                 context.releases.leave()
                 if bound is not None:
@@ -429,14 +431,14 @@ async def release_until(
                 if lease is not None:
                     context.keeper.drop(lease)
     except TimeoutError:
-        await withdraw(context, spec, token, ttl_ms, time.monotonic(), call)
+        await withdraw(context, spec, token, ttl_ms, _clock.monotonic(), call)
         return UNANSWERED
     except asyncio.CancelledError:
         if lease is not None:  # (cancelled while waiting for its place)
             context.keeper.drop(lease)
             until = max(until, lease.valid_until)
         end = until if bound is None else bound.end()
-        await withdraw(context, spec, token, ttl_ms, max(end, time.monotonic() + GRACE), call)
+        await withdraw(context, spec, token, ttl_ms, max(end, _clock.monotonic() + GRACE), call)
         raise
 
 
@@ -462,11 +464,10 @@ class _ValidityBound:
         # Itself the callback, in one shared empty context: no bound method and no copy
         # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        when = loop.time() + (self.end() - time.monotonic())
-        return loop.call_at(when, self, context=_NO_CONTEXT)
+        return loop.call_later(self.end() - _clock.monotonic(), self, context=_NO_CONTEXT)
 
     def __call__(self) -> None:
-        if self.end() > time.monotonic():
+        if self.end() > _clock.monotonic():
             self.handle = self._arm()  # renewed meanwhile
         else:
             self.scope.reschedule(asyncio.get_running_loop().time())
@@ -486,26 +487,56 @@ class Unanswered:
 UNANSWERED = Unanswered()
 
 
-def unstopped(context: ClientContext, call: Awaitable[T]) -> asyncio.Future[T] | None:
-    """`call` (a script call that may grant or queue a token) in a task of its own, to await
-    shielded: leaving (a cancellation, a deadline) stops the wait, not the call, and the
-    token's clean-up is sent after its reply (`withdraw`'s `after`, `settled`).
-    Only where the clean-up would not follow it on one connection (auto-pipelining off,
-    Cluster: each call on a pooled connection, where the clean-up could overtake it and find
-    nothing, and the call then grant or queue the departed token for its ttl). None through
-    the auto-pipeline: `call` is awaited as it is."""
-    if context.autopipe is not None:
-        return None
-    return asyncio.ensure_future(call)
+class InFlight(Generic[T]):
+    """A call that may take or grant something for a token (an acquire, an adoption, a
+    multi-lock's try, a replica-confirmed grant, a rate limiter's reservation), whose reply
+    a caller that leaves (a cancellation, a deadline, an error) must not lose: leaving stops
+    the wait, not the call, and the caller's clean-up runs after its reply (`after`), never
+    before it, so it cannot overtake the call and find nothing while the call then takes
+    for a departed token. The one mechanism for that.
 
+    With `context`, the call is carried in a task of its own only where a clean-up would not
+    follow it on one connection (auto-pipelining off, Cluster: each call on a pooled
+    connection); through the auto-pipeline it is awaited as it is (one connection keeps the
+    clean-up behind it). Without `context`, always in a task of its own (a call on a
+    connection of its own, or one whose reply the clean-up needs)."""
 
-async def settled(in_flight: asyncio.Future[T]) -> T | None:
-    """The reply of a call `unstopped` left in flight, once it came; None if it failed (a
-    lost reply: the clean-up sent next withdraws whatever it did)."""
-    try:
-        return await in_flight
-    except Exception:
-        return None
+    __slots__ = ("_call", "_task")
+
+    def __init__(self, call: Awaitable[T], context: ClientContext | None = None) -> None:
+        self._call: Awaitable[T] | None = None
+        self._task: asyncio.Future[T] | None = None
+        if context is not None and context.autopipe is not None:
+            self._call = call
+        else:
+            self._task = asyncio.ensure_future(call)
+
+    def reply(self, deadline: float | None = None) -> Awaitable[T]:
+        """The call's reply, awaited until the monotonic time `deadline` at most (`bounded`)."""
+        if self._task is None:
+            assert self._call is not None
+            return bounded(self._call, deadline)
+        return bounded(asyncio.shield(self._task), deadline)
+
+    async def outcome(self) -> T | None:
+        """The reply once it came, for a caller that left; None if the call failed (a lost
+        reply: the clean-up sent next undoes whatever it did) or was not carried on."""
+        if self._task is None:
+            return None
+        try:
+            return await self._task
+        except Exception:
+            return None
+
+    def after(self, then: Callable[[T], object] | None = None) -> Awaitable[None] | None:
+        """What a clean-up awaits first (`withdraw`'s `after`): the reply (then `then(reply)`,
+        if it came); None when the call was not carried on (nothing to wait for)."""
+        return None if self._task is None else self._after(then)
+
+    async def _after(self, then: Callable[[T], object] | None) -> None:
+        reply = await self.outcome()
+        if reply is not None and then is not None:
+            then(reply)
 
 
 def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
@@ -517,8 +548,7 @@ def bounded(awaitable: Awaitable[T], deadline: float | None) -> Awaitable[T]:
 
 
 async def _bounded(awaitable: Awaitable[T], deadline: float) -> T:
-    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-    async with asyncio.timeout_at(loop_deadline):
+    async with asyncio.timeout(deadline - _clock.monotonic()):
         return await awaitable
 
 
@@ -544,7 +574,7 @@ async def answered_by(awaitable: Awaitable[T], until: float | None) -> T | Unans
         return await completed(awaitable)
     task = asyncio.ensure_future(awaitable)
     try:
-        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - _clock.monotonic()))
     except BaseException:
         task.add_done_callback(_log_failure)
         raise

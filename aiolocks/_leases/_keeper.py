@@ -27,7 +27,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis.exceptions
 from redis.crc import key_slot
 
-from .._base import _telemetry
+from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import REDIS_ERRORS, cancelling
@@ -138,7 +137,33 @@ class Lease:
 
     @property
     def remaining(self) -> float:
-        return max(0.0, self.valid_until - time.monotonic())
+        return max(0.0, self.valid_until - _clock.monotonic())
+
+    # Its fields are written here only (the keeper, a release, a cohort call these).
+
+    def renewed(self, sent_at: float) -> None:
+        """A call sent at `sent_at` renewed it: valid a ttl from then, due a third later."""
+        self.valid_until = validity(sent_at, self.ttl)
+        self.next_due = sent_at + self.ttl / 3
+
+    def due_at(self, when: float) -> None:
+        """Renew it at `when` (the keeper goes by it once the lease is held again)."""
+        self.next_due = when
+
+    def release_begun(self) -> None:
+        """Its release is on its way: a loss is the release's to report, not the keeper's."""
+        self.releasing = True
+
+    def kept(self, sent_at: float) -> None:
+        """Its release let the same token keep it (a cohort at its bound with nobody waiting
+        elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
+        self.renewed(sent_at)
+        self.releasing = False
+        self.lost = False
+
+    def ended(self) -> None:
+        """No longer held (lost, or capped by `max_hold`): nothing renews it any more."""
+        self.lost = True
 
 
 class Owner(Protocol):
@@ -365,7 +390,7 @@ async def renew(
     deadline = now + min(
         [lease.valid_until - now for lease in leases] + [2 * group.period for group in groups]
     )
-    deadline = max(deadline, time.monotonic() + _LATE_MIN)  # (this task starts late)
+    deadline = max(deadline, _clock.monotonic() + _LATE_MIN)  # (this task starts late)
     patience = min([lease.ttl / 3 for lease in leases] + [group.period for group in groups])
     # Not sooner than 1 s: for a short ttl, a second connection opened (TLS, under load)
     # beside a call that is merely slow did more harm than good.
@@ -380,7 +405,7 @@ async def renew(
         if cancelling():
             return None  # shutting down: a dropped socket raced the cancellation
         log.debug("aiolocks: renewal failed: %r", exc)
-        replies, sent_at = [exc] * len(calls), time.monotonic()
+        replies, sent_at = [exc] * len(calls), _clock.monotonic()
     return read_replies(calls, replies), sent_at
 
 
@@ -397,10 +422,10 @@ async def send_hedged(
     busy server) still counts. TimeoutError at `deadline`."""
     pending: dict[asyncio.Future[list[Any]], float] = {}
     failure: Exception | None = None
-    next_try = time.monotonic()
+    next_try = _clock.monotonic()
     try:
         while True:
-            now = time.monotonic()
+            now = _clock.monotonic()
             if now >= deadline:
                 raise failure or TimeoutError("no reply before the leases' validity ended")
             if now >= next_try:
@@ -554,7 +579,7 @@ class LeaseKeeper:
         group.waiters[waiter.token] = waiter
         period = waiter.ttl_ms / 3000.0
         group.period = min(group.period, period)
-        due = time.monotonic() + period
+        due = _clock.monotonic() + period
         if due < group.next_due:
             group.next_due = group.queued = due
             self._push(due, group)
@@ -609,7 +634,7 @@ class LeaseKeeper:
     async def _run(self) -> None:
         idle_since: float | None = None
         while True:
-            now = time.monotonic()
+            now = _clock.monotonic()
             due = self._first_due()
             if due is not None or self._leases or self._groups or self._batches:
                 idle_since = None  # (a lease in flight comes back when its batch settles)
@@ -642,7 +667,7 @@ class LeaseKeeper:
         self._sleeper = loop.create_future()
         handle = None
         if due is not None:
-            handle = loop.call_at(loop.time() + (due - now), _resolve, self._sleeper)
+            handle = loop.call_later(due - now, _resolve, self._sleeper)
         try:
             await self._sleeper
         finally:
@@ -727,8 +752,8 @@ class LeaseKeeper:
                 continue  # released while the renewal was in flight
             outcome = outcomes.leases.get(lease, 1)
             if outcome == 1:
-                lease.valid_until = validity(sent_at, lease.ttl)
-                lease.next_due = lease.queued = sent_at + lease.ttl / 3
+                lease.renewed(sent_at)
+                lease.queued = lease.next_due
                 buckets.setdefault(lease.ttl, []).append(lease)
             elif isinstance(outcome, Exception):
                 self._retry(lease)
@@ -746,7 +771,7 @@ class LeaseKeeper:
             waiter.still_queued(sent_at)  # not granted when the heartbeat ran
 
     def _retry(self, lease: Lease) -> None:
-        now = time.monotonic()
+        now = _clock.monotonic()
         if lease.valid_until <= now:
             self._lose(lease, "Redis could not be reached before the lease ran out")
             return
@@ -759,14 +784,14 @@ class LeaseKeeper:
             return  # its last waiter left meanwhile
         shortest = min(w.ttl_ms for w in group.waiters.values()) / 3000.0
         group.period = shortest
-        due = time.monotonic() + (max(_RETRY_MIN, shortest / 10) if failed else shortest)
+        due = _clock.monotonic() + (max(_RETRY_MIN, shortest / 10) if failed else shortest)
         group.next_due = group.queued = due
         self._push(due, group)
 
     def _lose(self, lease: Lease, reason: str) -> None:
         self._leases.discard(lease)
         lease.queued = None
-        lease.lost = True
+        lease.ended()
         if lease.releasing:
             return  # its release reports it (see `_release.release_until`)
         try:

@@ -194,16 +194,22 @@ end
 -- caller read it (LINDEX 0, which checked the list's type). The waiters zset's type is
 -- checked by the first read, before anything is written. `forget` (optional): a hash of
 -- per-token data of waiters (an election's candidates), a dead one's field deleted with it.
--- Returns the member, or nil when nobody live waits.
-local function pop_live(queue, waiters, head, now, forget)
+-- `admits` (optional): whether the first live member may enter now; if not, it stays at
+-- the head (a read-write lock's writer behind readers). The one FIFO loop of every script.
+-- Returns the member, or nil when nobody live waits (or the first live one may not enter).
+local function pop_live(queue, waiters, head, now, forget, admits)
   while head do
     local deadline = checked(redis.pcall('ZSCORE', waiters, head), waiters, 'zset')
+    local live = deadline and tonumber(deadline) >= now
+    if live and admits and not admits(head) then
+      return nil
+    end
     redis.call('LPOP', queue)
     if deadline then
       redis.call('ZREM', waiters, head)
-      if tonumber(deadline) >= now then
-        return head
-      end
+    end
+    if live then
+      return head
     end
     if forget then
       redis.call('HDEL', forget, (split_member(head)))

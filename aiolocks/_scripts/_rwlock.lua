@@ -22,36 +22,28 @@ local function rw_readers(k, now)
   return redis.call('ZCARD', k.readers)
 end
 
--- Let in, in queue order, what can enter: a writer alone when nobody holds, or every
--- reader up to the next queued writer while no writer holds; dead members at the head are
--- dropped on the way. Expired readers must have been purged. Grants go to `grants`.
+-- Let in, in queue order (pop_live), what can enter: a writer alone when nobody holds, or
+-- every reader up to the next queued writer while no writer holds; dead members at the
+-- head are dropped on the way. Expired readers must have been purged. Grants go to `grants`.
 local function rw_fill(k, channel, caller_tag, now, grants)
+  local function admits(member)  -- a writer waits for the readers to leave
+    local _, _, _, kind = split_member(member)
+    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)
+  end
   while redis.call('EXISTS', k.writer) == 0 do
-    local head = redis.call('LINDEX', k.queue, 0)
-    if not head then
+    local first = pop_live(k.queue, k.waiters, redis.call('LINDEX', k.queue, 0), now, nil, admits)
+    if not first then
       return
     end
-    local deadline = redis.call('ZSCORE', k.waiters, head)
-    local _, _, _, kind = split_member(head)
-    if deadline and tonumber(deadline) >= now and kind == 'w'
-        and redis.call('ZCARD', k.readers) > 0 then
-      return
+    local token, ttl, tag, kind = split_member(first)
+    local fence
+    if kind == 'w' then
+      fence = grant_writer(k, token, ttl)
+    else
+      fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
     end
-    redis.call('LPOP', k.queue)
-    if deadline then
-      redis.call('ZREM', k.waiters, head)
-    end
-    if deadline and tonumber(deadline) >= now then
-      local token, ttl, tag = split_member(head)
-      local fence
-      if kind == 'w' then
-        fence = grant_writer(k, token, ttl)
-      else
-        fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
-      end
-      announce(channel, token, fence, ttl, tag, caller_tag)
-      note_grant(grants, token, fence, ttl)
-    end
+    announce(channel, token, fence, ttl, tag, caller_tag)
+    note_grant(grants, token, fence, ttl)
   end
 end
 

@@ -16,7 +16,7 @@ connection also keeps a burst (10,000 tasks trying 1,000 names at once) off the 
 which would otherwise open a connection per command in flight. A call made while the
 client is quiet still goes out at once, alone.
 
-All calls share one connection (a "link", `Link` below, taken from the client's pool):
+All calls share one connection (a "link", `PipeLink` below, taken from the client's pool):
 batches are written at once when the socket takes them, and their replies are read in
 order, so the next batch is written while the previous one's replies are still on their
 way. One connection also keeps the order: a release a cancelled acquirer sends to clean up
@@ -40,7 +40,6 @@ import functools
 import logging
 import os
 import sys
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -60,7 +59,7 @@ except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     HIREDIS = False
     PUSH = ()
 
-from .._base import _adapter
+from .._base import _adapter, _clock
 from .._base._clients import AnyRedis, is_cluster
 from .._base._errors import (
     CONNECTION_ERRORS,
@@ -80,7 +79,7 @@ __all__ = [
     "STALL_BOUND",
     "AutoPipeline",
     "Call",
-    "Link",
+    "PipeLink",
     "Pipeline",
     "Replies",
     "ScriptRunner",
@@ -235,7 +234,7 @@ class ScriptRunner:
         sent: Callable[[float], None] | None = None,
     ) -> Any:
         if sent is not None:
-            sent(time.monotonic())
+            sent(_clock.monotonic())
         self._sent += 1
         try:
             return await self._execute(*command(script, keys, args, by_source=False))
@@ -462,16 +461,24 @@ class Replies(asyncio.Protocol):
         self._lost_with(redis.exceptions.ConnectionError(reason))
 
 
-def direct_reader(connection: AbstractConnection) -> tuple[Any, asyncio.BaseTransport] | None:
+def direct_reader(
+    connection: AbstractConnection, *, pubsub: bool = False
+) -> tuple[Any, asyncio.BaseTransport] | None:
     """A hiredis reader for `connection`'s replies, and its transport, if the connection is
     a socket with nothing buffered and hiredis can parse its protocol (RESP2, or RESP3
-    with pushes marked); else None: redis-py reads it."""
+    with pushes marked); else None: redis-py reads it.
+
+    For a `pubsub` connection (whose messages come unasked, some maybe received already
+    while it re-subscribed): bytes waiting in its stream are fed to the reader, and replies
+    stay bytes whatever the client's `decode_responses` (the notifier reads them)."""
     transport = _adapter.socket_transport(connection)  # asyncio's, or uvloop's
+    unread = _adapter.unread(connection)
     if (
         not HIREDIS
         or str(getattr(connection, "protocol", 2)) not in _PROTOCOLS
         or transport is None
-        or _adapter.unread(connection) is not False
+        or unread is None
+        or (unread and not pubsub)
     ):
         return None
     parse_error = _adapter.reply_error(connection)
@@ -483,10 +490,16 @@ def direct_reader(connection: AbstractConnection) -> tuple[Any, asyncio.BaseTran
         "notEnoughData": MORE,
     }
     encoder = connection.encoder
-    if encoder.decode_responses:
+    if encoder.decode_responses and not pubsub:
         options["encoding"] = encoder.encoding
         options["errors"] = encoder.encoding_errors
-    return hiredis.Reader(**options), transport
+    reader = hiredis.Reader(**options)
+    if unread:
+        received = _adapter.take_unread(connection)
+        if received is None:
+            return None  # the stream saw its end: redis-py's read reports it
+        reader.feed(received)
+    return reader, transport
 
 
 def install_replies(
@@ -524,14 +537,14 @@ class Pipeline(Protocol):
     link its new batches go to (a link that breaks or retires stops being it), where calls
     to send once more go back, and a flush to schedule once the link can take more."""
 
-    _link: Link | None
+    _link: PipeLink | None
 
     def _requeue(self, again: list[Call]) -> None: ...
 
     def _kick(self) -> None: ...
 
 
-class Link:
+class PipeLink:
     """One pooled connection, the batches written on it and not yet read, and its reader
     (or, when its replies are parsed where they arrive, the task that retires it)."""
 
@@ -805,7 +818,7 @@ class AutoPipeline:
         self._pool = pool
         self._queue: collections.deque[Call] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
-        self._link: Link | None = None
+        self._link: PipeLink | None = None
         self._flushing = False  # a `_flush` is scheduled
         self._closed = False  # `aclose()` was called: no new link is opened
         self.batches_sent = 0  # round trips made (for tests and benchmarks)
@@ -880,7 +893,7 @@ class AutoPipeline:
         """`batch` as RESP, packed by the connection (as redis-py would send each call).
         It is written next: each call's `sent` is told now."""
         parts: list[bytes] = []
-        now = time.monotonic()
+        now = _clock.monotonic()
         for call in batch:
             if call.sent is not None:
                 call.sent(now)
@@ -888,7 +901,7 @@ class AutoPipeline:
             parts += connection.pack_command(*command(script, keys, args, by_source=call.by_source))
         return parts
 
-    async def _drain(self, link: Link, writer: asyncio.StreamWriter) -> None:
+    async def _drain(self, link: PipeLink, writer: asyncio.StreamWriter) -> None:
         """Wait until `link`'s socket has taken what `_flush` wrote (redis-py's own bound:
         the connection's socket_timeout); a failure breaks the link, and its reader fails
         (or sends again) the batches on it. Then go on writing."""
@@ -949,7 +962,7 @@ class AutoPipeline:
         finally:
             self._writer = None
 
-    async def _send(self, link: Link, batch: list[Call]) -> None:
+    async def _send(self, link: PipeLink, batch: list[Call]) -> None:
         """Write `batch` on `link`; its reader takes it from there (only once it is all
         written: a reply read before would come from a connection still being opened)."""
         self.batches_sent += 1
@@ -979,13 +992,13 @@ class AutoPipeline:
         if failure is not None and not isinstance(failure, Exception):
             raise failure
 
-    async def _open(self) -> Link:
+    async def _open(self) -> PipeLink:
         if self._closed:
             # A call made after its engine was stopped (a clean-up run while the event loop
             # shuts down): a new link would outlive the loop, its socket left to the GC.
             raise redis.exceptions.ConnectionError("the aiolocks engine of this client was closed")
         connection = await _adapter.pooled_connection(self._pool)
-        link = self._link = Link(self, self._pool, connection)
+        link = self._link = PipeLink(self, self._pool, connection)
         if DIRECT_READS:
             link.read_directly()
         link.reader = asyncio.get_running_loop().create_task(link.read())

@@ -43,6 +43,7 @@ from .._base._errors import (
     redeliver_cancel,
 )
 from .._scripts import Script, load
+from .._transport._runner import MORE, direct_reader, install_replies, restore_protocol
 from ._waitqueue import WaitQueue
 
 __all__ = ["Hint", "Link", "Listener", "Notifier", "RunScript", "ServerFacts"]
@@ -59,6 +60,10 @@ _RETRY_MIN, _RETRY_MAX = 0.05, 2.0
 
 # A client call that failed: the library's errors, and the socket's.
 _LINK_DOWN: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)
+# A link's messages parsed where they arrive, in its transport's callback (`Link`); off:
+# its reader task reads each through redis-py's `PubSub.get_message` (as on connections
+# that are not plain sockets, or without hiredis).
+DIRECT_READS = True
 
 RunScript = Callable[[Script, tuple[bytes, ...], tuple[Any, ...]], Awaitable[Any]]
 
@@ -264,7 +269,7 @@ class Notifier:
         if link is None:
             if client is None:
                 client = _adapter.node_client(node)
-            link = self._links[name] = Link(name, client)
+            link = self._links[name] = Link(name, client, self._received)
             link.owns_client = self._cluster
         return link
 
@@ -386,13 +391,22 @@ class Notifier:
         )
 
     async def _read(self, link: Link) -> None:
+        """The reader task of `link`, for as long as a channel is routed to it (or one of
+        its unsubscriptions is unconfirmed): it re-connects the link when it is down. Where
+        the link's messages are parsed as they arrive (`Link.read_directly`), it only waits
+        for the link to break, or to be told to look whether it is still needed; else it
+        reads each message through redis-py."""
         delay = _RETRY_MIN
         before = pending_cancels()
         while self._routed(link) or link.unsubscribing:
             try:
                 if not link.connected:
                     await self._reconnect(link)
-                message = await link.pubsub.get_message(timeout=None)
+                message = None
+                if link.parser is None:
+                    message = await link.pubsub.get_message(timeout=None)
+                else:
+                    await link.stopped()  # raises what broke the link
                 # A read that re-connected re-subscribes, and redis-py's `wait_for` around
                 # that write may swallow aclose's cancellation (Python 3.11): not ours.
                 redeliver_cancel(before)
@@ -409,6 +423,8 @@ class Notifier:
                 if link.idle(exc):
                     continue  # `socket_timeout` passed with no message: read on
                 log.debug("aiolocks: pub/sub read on %r failed: %r", link.name, exc)
+                if link.heard:
+                    delay = _RETRY_MIN  # it was read from since it last (re-)connected
                 link.unsubscribing.clear()  # a new connection: nothing stale can come
                 if not any(channel.refs > 0 for channel in self._routed(link)):
                     # Nobody waits (e.g. the client was closed): stop; the next waiter
@@ -425,17 +441,29 @@ class Notifier:
                 delay = min(delay * 2, _RETRY_MAX)
                 continue
             if message is not None:
-                self._dispatch(link, message)
+                kind, name = _as_bytes(message.get("type")), _as_bytes(message.get("channel"))
+                self._dispatch(link, kind, name, _as_bytes(message.get("data")))
 
-    def _dispatch(self, link: Link, message: dict[str, Any]) -> None:
-        kind = _as_bytes(message.get("type"))
-        name = _as_bytes(message.get("channel"))
-        data = message.get("data")
-        if kind in (b"message", b"smessage"):
-            payload = _as_bytes(data)
+    def _received(self, link: Link, reply: list[Any]) -> None:
+        """One reply parsed where it arrived on `link` (`Link.read_directly`): bytes, as
+        [kind, channel, data] (a RESP3 push, or a RESP2 array)."""
+        if len(reply) != 3:
+            return  # nothing the notifier subscribes to (a pattern's message has 4)
+        kind, name, data = reply
+        if kind == b"smessage" or kind == b"message":
+            self._dispatch(link, kind, name, data)
+            return
+        if kind == b"sunsubscribe" or kind == b"unsubscribe":
+            _adapter.pubsub_unsubscribed(link.pubsub, kind, name)  # as redis-py's read would
+        self._dispatch(link, kind, name, data)
+        if not (link.unsubscribing or self._routed(link)):
+            link.poke()  # its reader is no longer needed: it ends
+
+    def _dispatch(self, link: Link, kind: bytes, name: bytes, data: Any) -> None:
+        if kind == b"smessage" or kind == b"message":
             if name in self._channels:
-                self.message(name, payload)
-            elif name in self._by_keyspace and payload in _GONE:
+                self.message(name, data)
+            elif name in self._by_keyspace and data in _GONE:
                 self.gone(self._by_keyspace[name])
         elif kind in (b"sunsubscribe", b"unsubscribe") and link.unsubscribed(name):
             return  # the confirmation of one of ours
@@ -489,13 +517,30 @@ class Link:
     unsubscriptions not yet confirmed, so that a stale confirmation is never taken for the
     server's. It takes re-connecting away from redis-py (whose retry re-connects inside a
     failed read, even after the client was closed): its reader re-connects by itself.
+
+    Its messages are parsed where they arrive (`read_directly`: its socket transport's
+    protocol swapped, as the auto-pipeline's link does, `_runner.Replies`), each handed to
+    `on_reply` in the transport's callback: per message, no task wakes up and redis-py
+    builds nothing. redis-py still connects it, writes the subscriptions and subscribes
+    again on re-connecting; where that is not possible (no hiredis, not a socket), the
+    reader task reads each message through redis-py.
     """
 
-    def __init__(self, name: str, client: Any) -> None:
+    def __init__(self, name: str, client: Any, on_reply: Callable[[Link, list[Any]], None]) -> None:
         self.name = name
         self.client = client  # a redis.asyncio.Redis whose pubsub() this link uses
         self.pubsub: Any = None  # redis.asyncio.client.PubSub, created on first use
         self.reader: asyncio.Task[None] | None = None
+        self.on_reply = on_reply
+        # Direct reads: the hiredis reader fed by the transport, what broke the link (its
+        # reader raises it), whether anything was read since it (re-)connected, and the
+        # future the reader waits on meanwhile.
+        self.parser: Any = None
+        self.transport: asyncio.BaseTransport | None = None
+        self.tried: Any = None  # the socket transport direct reads were last tried on
+        self.broken: Exception | None = None
+        self.heard = False
+        self.wake: asyncio.Future[None] | None = None
         self.lock = asyncio.Lock()
         # The connection's own settings, put back when it goes back to the pool.
         self.saved: tuple[Any, Any, float] | None = None
@@ -526,7 +571,7 @@ class Link:
     @property
     def connected(self) -> bool:
         connection = None if self.pubsub is None else self.pubsub.connection
-        return connection is not None and bool(connection.is_connected)
+        return connection is not None and bool(connection.is_connected) and self.broken is None
 
     async def subscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
         """Subscribe `wake` (SSUBSCRIBE if `sharded`) and `keyspace`; under `lock`.
@@ -538,10 +583,13 @@ class Link:
         reader subscribes the channel on the link it re-makes (`Notifier._reconnect`)."""
         if self.reading and not self.connected:
             raise redis.exceptions.ConnectionError(f"pub/sub link {self.name!r} is down")
+        if self.broken is not None:
+            await self.disconnect()  # broke while no reader read it: connected anew below
         if self.pubsub is None:
             self.pubsub = self.client.pubsub()
         await self.pubsub.connect()
         self._own_connection()
+        self.read_directly()
         writer = _adapter.writer_of(self.pubsub.connection)
         try:
             if sharded:
@@ -561,8 +609,11 @@ class Link:
         """The reader's re-connection after a failed read (under `lock`): the client
         re-subscribes the channels it knows of as it connects."""
         if self.pubsub is not None and not self.connected:
+            if self.broken is not None:
+                await self.disconnect()
             with contextlib.suppress(Exception):  # the reader's next read fails and backs off
                 await self.pubsub.connect()
+                self.read_directly()
 
     async def unsubscribe(self, wake: bytes, keyspace: bytes | None, sharded: bool) -> None:
         """Unsubscribe what `subscribe` subscribed, if connected; errors are ignored (a
@@ -594,6 +645,82 @@ class Link:
         # reply for the other). The reader's blocking read needs none.
         connection.health_check_interval = 0
 
+    # -- direct reads ----------------------------------------------------------------------
+
+    def read_directly(self) -> None:
+        """Have the connection's replies parsed where they arrive, from now on (bytes that
+        came while it re-subscribed included), if it allows it (`_runner.direct_reader`);
+        else its reader task reads them through redis-py. Once per connection made."""
+        connection = self.pubsub.connection
+        socket = None if connection is None else _adapter.socket_transport(connection)
+        if not DIRECT_READS or socket is None or socket is self.tried:
+            return  # tried on this socket already: never switched while redis-py reads it
+        self.tried = socket
+        self.stop_reading_directly()
+        self.broken, self.heard = None, False
+        found = direct_reader(connection, pubsub=True)
+        if found is None:
+            return
+        self.parser, self.transport = found
+        install_replies(self.transport, self._received, self._lost)
+        self._parse()  # what was received before
+
+    def stop_reading_directly(self) -> None:
+        """Give the transport its connection's own protocol back (redis-py reads it)."""
+        restore_protocol(self.transport)
+        self.parser = self.transport = None
+
+    def _received(self, data: bytes) -> None:
+        """Bytes off the transport, in its callback: parsed, each message handed on."""
+        if self.broken is None and self.parser is not None:
+            self.parser.feed(data)
+            self._parse()
+
+    def _parse(self) -> None:
+        parser = self.parser
+        try:
+            while True:
+                reply = parser.gets()
+                if reply is MORE:
+                    return
+                self.heard = True
+                if isinstance(reply, Exception):
+                    raise reply  # an error reply: as a read through redis-py would raise
+                if isinstance(reply, list):
+                    try:
+                        self.on_reply(self, reply)
+                    except Exception:  # a message that cannot be handled must not stop it
+                        log.exception("aiolocks: a pub/sub message on %r failed", self.name)
+        except Exception as exc:  # a protocol error
+            self._lost(exc)
+
+    def _lost(self, error: BaseException) -> None:
+        """The connection broke (or its replies cannot be read): its reader re-makes it."""
+        if self.broken is None:
+            self.broken = (
+                error
+                if isinstance(error, Exception)
+                else redis.exceptions.ConnectionError(f"connection lost: {error!r}")
+            )
+        self.poke()
+
+    def poke(self) -> None:
+        """Have the reader look whether the link broke, or is still needed."""
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    async def stopped(self) -> None:
+        """Wait while the messages are parsed where they arrive: raise what broke the
+        link, or return when poked."""
+        if self.broken is None:
+            self.wake = asyncio.get_running_loop().create_future()
+            try:
+                await self.wake
+            finally:
+                self.wake = None
+        if self.broken is not None:
+            raise self.broken
+
     def idle(self, error: Exception) -> bool:
         """Whether a failed read only timed out on a quiet, still open connection (the
         client's `socket_timeout`): nothing is wrong, no message came."""
@@ -605,7 +732,8 @@ class Link:
     async def disconnect(self) -> None:
         """Drop the socket (after a failed read): the next read re-connects and
         re-subscribes."""
-        connection = self.pubsub.connection
+        self.stop_reading_directly()
+        connection = None if self.pubsub is None else self.pubsub.connection
         if connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.disconnect(), 1.0)
@@ -613,6 +741,8 @@ class Link:
     async def close(self) -> None:
         """Close the pub/sub connection and forget its subscriptions (the next subscription
         opens a new one). Only called when no reader is reading it."""
+        self.stop_reading_directly()
+        self.broken, self.heard, self.tried = None, False, None
         pubsub, self.pubsub = self.pubsub, None
         self.unsubscribing.clear()
         if self.saved is not None:

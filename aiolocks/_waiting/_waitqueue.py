@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import secrets
-import time
 from collections.abc import Callable, Iterator
+
+from .._base import _clock
 
 __all__ = ["Lot", "WaitQueue", "Waiter", "Wake"]
 
@@ -132,7 +132,7 @@ class Waiter:
             if self._recheck:
                 self._recheck = False
                 return Wake.RECHECK
-            now = time.monotonic()
+            now = _clock.monotonic()
             deadline = self.deadline
             if deadline is not None and now >= deadline:
                 return Wake.DEADLINE
@@ -145,14 +145,10 @@ class Waiter:
             future: asyncio.Future[Wake] = loop.create_future()
             self._future = future
             if deadline is not None and self._deadline_timer is None:
-                self._deadline_timer = loop.call_at(
-                    loop.time() + (deadline - now), self._wake, Wake.DEADLINE
-                )
+                self._deadline_timer = loop.call_later(deadline - now, self._wake, Wake.DEADLINE)
             until_timer = None
             if until is not None:
-                until_timer = loop.call_at(
-                    loop.time() + (until - now), _resolve, future, Wake.UNTIL
-                )
+                until_timer = loop.call_later(until - now, _resolve, future, Wake.UNTIL)
             try:
                 reason = await future
             finally:
@@ -161,7 +157,7 @@ class Waiter:
                     until_timer.cancel()
             if reason in (Wake.GRANTED, Wake.RECHECK):
                 continue  # the flags decide
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and _clock.monotonic() >= deadline:
                 return Wake.DEADLINE
             return reason
 
@@ -203,7 +199,7 @@ class Lot:
     def note_lease(self, remaining_ms: int, *, grant: bool = False) -> None:
         """Record that the first lease in the way has `remaining_ms` left (an acquire
         script's answer), or (`grant`) that a lease of `remaining_ms` was just granted."""
-        end = time.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002
+        end = _clock.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002
         if grant and self.shared and self.lease_end is not None:
             end = min(end, self.lease_end)
         self.lease_end = end
@@ -215,14 +211,14 @@ class Lot:
             self._timer.cancel()
         loop = asyncio.get_running_loop()
         self._timer_at = at
-        self._timer = loop.call_at(loop.time() + (at - time.monotonic()), self._fire)
+        self._timer = loop.call_later(at - _clock.monotonic(), self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         end, head = self.lease_end, self.head()
         if end is None or head is None:
             return
-        if end > time.monotonic():
+        if end > _clock.monotonic():
             self._arm(end)  # the lease end moved later meanwhile: no wake
         else:
             head._wake(Wake.TIMER)  # if it is not asleep, its next sleep sees the end passed
@@ -267,7 +263,7 @@ class WaitQueue:
             collections.OrderedDict()
         )
         # Names this client's queue entries on the server (see _prelude.lua).
-        self.tag = secrets.token_hex(4)
+        self.tag = _clock.token_hex(4)
 
     def member(self, token: str, ttl_ms: int, kind: str) -> str:
         """The queue entry of an acquisition made through this client (see _prelude.lua)."""
@@ -332,7 +328,7 @@ class WaitQueue:
         token (on another connection: without auto-pipelining or on Cluster), so a grant
         read for `token` in the next `within` seconds calls `hand_on` (which releases it)
         instead of being ignored for a whole lease."""
-        now = time.monotonic()
+        now = _clock.monotonic()
         departed = self._departed
         # Oldest first (near enough: a longer ttl just stays a little longer); no copy of
         # the whole map per departure, which made a cancellation storm quadratic.

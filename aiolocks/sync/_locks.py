@@ -49,7 +49,7 @@ class RedisMutex(SyncLock[AsyncMutex]):
         on_lost: LostCallback | None = None,
         replicas: int = 0,
         replica_timeout: float = _REPLICA_TIMEOUT,
-        local_handoff: int = _LOCAL_HANDOFF,
+        local_handoff: int | None = _LOCAL_HANDOFF,
         max_hold: float | None = None,
     ) -> None:
         """The arguments of `aiolocks.RedisMutex`; `client` is a sync redis-py or valkey-py

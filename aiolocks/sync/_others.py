@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any, final
 
-from .. import LockTimeout, RateLimiterInfo, RateLimiterStatistics, RegistryStatistics
+from .. import Limit, LockTimeout, RateLimiterInfo, RateLimiterStatistics, RegistryStatistics
 from .. import RedisRateLimiter as AsyncRateLimiter
 from .. import RedisRegistry as AsyncRegistry
 from ._clients import SyncClient, async_client, validate_client
@@ -29,9 +29,10 @@ class RedisRateLimiter:
         client: SyncClient,
         name: str,
         *,
-        rate: float,
+        rate: float | None = None,
         per: float = _LIMITER["per"].default,
         burst: int | None = None,
+        limits: Iterable[Limit] | None = None,
         timeout: float | None = None,
         prefix: str = _LIMITER["prefix"].default,
     ) -> None:
@@ -45,6 +46,7 @@ class RedisRateLimiter:
                 rate=rate,
                 per=per,
                 burst=burst,
+                limits=limits,
                 timeout=timeout,
                 prefix=prefix,
             )
@@ -68,6 +70,24 @@ class RedisRateLimiter:
     @property
     def burst(self) -> int:
         return self._now().burst
+
+    @property
+    def limits(self) -> tuple[Limit, ...]:
+        return self._now().limits
+
+    def set_limits(
+        self,
+        *,
+        rate: float | None = None,
+        per: float = _LIMITER["per"].default,
+        burst: int | None = None,
+        limits: Iterable[Limit] | None = None,
+    ) -> tuple[Limit, ...]:
+        """Change the name's limits live (see `aiolocks.RedisRateLimiter.set_limits`)."""
+        limiter = self._now()
+        return process().call(
+            lambda: limiter.set_limits(rate=rate, per=per, burst=burst, limits=limits)
+        )
 
     def __repr__(self) -> str:
         return f"<aiolocks.sync.RedisRateLimiter {self.name!r}>"

@@ -1,41 +1,26 @@
 """What the simulation changes in the code it runs, all by monkeypatching (aiolocks itself
-is not edited): clocks on virtual time, tokens from the seed, auto-pipelining per
-process, and a record of what the engine believes (lease validity, loss reports)."""
+is not edited): the engine's clock (`aiolocks._base._clock`) on virtual time with tokens
+from the seed, auto-pipelining per process, and a record of what the engine believes
+(lease validity, loss reports)."""
 
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from ._loop import PROCESS, VirtualLoop
 
 
-class _Clock:
-    """Stands in for the `time` module in aiolocks: `monotonic()` is the loop's time."""
-
-    def __init__(self, loop: VirtualLoop) -> None:
-        import time as real
-
-        self._real = real
-        self._loop = loop
-
-    def monotonic(self) -> float:
-        return self._loop.time()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 class _Secrets:
-    """Stands in for `secrets` in aiolocks: tokens from the run's seed."""
+    """Stands in for `secrets.token_hex` in aiolocks' clock: tokens from the run's seed."""
 
     def __init__(self, rng: random.Random, recorder: Recorder) -> None:
         self._rng = rng
         self._recorder = recorder
 
-    def token_hex(self, nbytes: int = 32) -> str:
+    def token_hex(self, nbytes: int | None = 32) -> str:
+        nbytes = 32 if nbytes is None else nbytes
         token = f"{self._rng.getrandbits(nbytes * 8):0{nbytes * 2}x}"
         self._recorder.tokens[token] = PROCESS.get()
         return token
@@ -61,6 +46,7 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
     import fakeredis._socket._base as fr_base
     import fakeredis.commands_mixins.server_mixin as fr_server
 
+    import aiolocks._base._clock
     import aiolocks._leases._keeper
     import aiolocks._transport._runner
 
@@ -68,17 +54,10 @@ def install(loop: VirtualLoop, rng: random.Random) -> Recorder:
 
     fr_base.time = ServerClock(loop)  # type: ignore[attr-defined,assignment]
     fr_server.time = ServerClock(loop)  # type: ignore[attr-defined,assignment]
-    clock = _Clock(loop)
     recorder = Recorder(loop)
-    secrets = _Secrets(rng, recorder)
-    for name, module in list(sys.modules.items()):
-        if name == "aiolocks" or name.startswith("aiolocks."):
-            if getattr(getattr(module, "time", None), "__name__", "") in ("time",) or isinstance(
-                getattr(module, "time", None), _Clock
-            ):
-                module.time = clock  # type: ignore[attr-defined]
-            if hasattr(module, "secrets"):
-                module.secrets = secrets  # type: ignore[attr-defined]
+    # The engine's one clock seam: virtual time, and tokens from the seed.
+    aiolocks._base._clock.monotonic = loop.time
+    aiolocks._base._clock.token_hex = _Secrets(rng, recorder).token_hex
 
     def autopipelining() -> bool:
         proc = PROCESS.get()

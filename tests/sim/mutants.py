@@ -48,8 +48,8 @@ MUTANTS = [
     Mutant(
         "renewal-validity-from-reply",
         "aiolocks/_leases/_keeper.py",
-        "                lease.valid_until = validity(sent_at, lease.ttl)",
-        "                lease.valid_until = validity(time.monotonic(), lease.ttl)",
+        "                lease.renewed(sent_at)",
+        "                lease.renewed(_clock.monotonic())",
         "escaped 1: a renewed lease's validity counted from the reply, not the request",
     ),
     Mutant(
@@ -109,8 +109,8 @@ MUTANTS = [
     Mutant(
         "rw-writer-beside-reader",
         "aiolocks/_scripts/_rwlock.lua",
-        "        and redis.call('ZCARD', k.readers) > 0 then",
-        "        and redis.call('ZCARD', k.readers) > 1 then",
+        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)",
+        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 1)",
         "an RW writer is let in beside a single reader",
     ),
     Mutant(
@@ -130,8 +130,8 @@ MUTANTS = [
     Mutant(
         "release-skips-purge",
         "aiolocks/_scripts/_prelude.lua",
-        "      if tonumber(deadline) >= now then\n        return head",
-        "      if true then\n        return head",
+        "    local live = deadline and tonumber(deadline) >= now\n",
+        "    local live = deadline\n",
         "a release hands on to the queue's head without dropping dead waiters (pop_live)",
     ),
     # -- the lease keeper ---------------------------------------------------------------
@@ -175,29 +175,29 @@ MUTANTS = [
         "queued-at-from-reply",
         "aiolocks/_waiting/_waitqueue.py",
         "        if sent_at > self.queued_at:\n            self.queued_at = sent_at",
-        "        if sent_at > self.queued_at:\n            self.queued_at = time.monotonic()",
+        "        if sent_at > self.queued_at:\n            self.queued_at = _clock.monotonic()",
         "a waiter's grant counted from when 'still queued' was read, not sent",
     ),
     Mutant(
         "safety-timer-late",
         "aiolocks/_waiting/_waitqueue.py",
-        "        end = time.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002",
-        "        end = time.monotonic() + max(remaining_ms, 0) / 100.0 + 0.002",
+        "        end = _clock.monotonic() + max(remaining_ms, 0) / 1000.0 + 0.002",
+        "        end = _clock.monotonic() + max(remaining_ms, 0) / 100.0 + 0.002",
         "the head waiter's safety-net timer set ten times too late",
     ),
     # -- local hand-off cohorts ---------------------------------------------------------
     Mutant(
         "cohort-passes-lapsed-lease",
         "aiolocks/_engine/_cohort.py",
-        "            if lease is not None and lease.remaining <= 0:",
-        "            if lease is not None and lease.remaining < -1.0:",
+        "            valid = lease.remaining > 0",
+        "            valid = lease.valid_until > _clock.monotonic() - 1.0",
         "a cohort passes on a lease whose validity ended",
     ),
     Mutant(
         "cohort-keep-validity-from-reply",
         "aiolocks/_engine/_cohort.py",
-        "        self._lease.valid_until = validity(sent_at, self._lease.ttl)",
-        "        self._lease.valid_until = validity(time.monotonic(), self._lease.ttl)",
+        "        lease.kept(sent_at)",
+        "        lease.kept(_clock.monotonic())",
         "a cohort's kept lease counted from the reply",
     ),
     Mutant(
@@ -220,7 +220,7 @@ MUTANTS = [
         "multi-lease-from-reply",
         "aiolocks/multilock.py",
         "            grant.granted_at, owner,\n        )  # fmt: skip",
-        "            time.monotonic(), owner,\n        )  # fmt: skip",
+        "            _clock.monotonic(), owner,\n        )  # fmt: skip",
         "a multi-lock's leases counted from when the grant was read",
     ),
 ]

@@ -4,7 +4,9 @@
 
 Holds a `RedisMutex` (by `acquire()`, never released), a `RedisSemaphore` slot and a
 `RedisMultiLock` (by `async with`, in tasks that never leave the block), and has one task
-queued on the mutex; prints ``ready`` once the server has that waiter queued. Then, by HOW:
+queued on the mutex in Redis (strict FIFO, `local_handoff=0`, so the queue entry is the
+server's and its clean-up is what is checked; with the default it would wait in the
+process); prints ``ready`` once the server has that waiter queued. Then, by HOW:
 
 - ``return``: returns from `main()` as it is, the client never closed;
 - ``close-return``: closes the client first (`await client.aclose()`), prints ``ended``
@@ -49,7 +51,7 @@ async def main(url: str, prefix: str, ttl: float, how: str) -> None:
     client = redis.asyncio.Redis.from_url(url)
     queued = asyncio.Event()
     on_queued(client, lambda token: queued.set())
-    mutex = RedisMutex(client, "exit:mutex", ttl=ttl, prefix=prefix)
+    mutex = RedisMutex(client, "exit:mutex", ttl=ttl, prefix=prefix, local_handoff=0)
     await mutex.acquire()
     slot, multi = asyncio.Event(), asyncio.Event()
     semaphore = RedisSemaphore(client, "exit:slots", limit=2, ttl=ttl, prefix=prefix)
@@ -57,7 +59,9 @@ async def main(url: str, prefix: str, ttl: float, how: str) -> None:
     holders = [
         asyncio.create_task(hold_forever(semaphore, slot)),
         asyncio.create_task(hold_forever(both, multi)),
-        asyncio.create_task(RedisMutex(client, "exit:mutex", ttl=ttl, prefix=prefix).acquire()),
+        asyncio.create_task(
+            RedisMutex(client, "exit:mutex", ttl=ttl, prefix=prefix, local_handoff=0).acquire()
+        ),
     ]
     await asyncio.wait_for(asyncio.gather(slot.wait(), multi.wait(), queued.wait()), 10)
     print("ready", flush=True)

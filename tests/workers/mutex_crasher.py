@@ -36,6 +36,7 @@ async def main(argv: list[str]) -> int:
         emit("not-acquired")
         os._exit(2)
     fence = mutex.fencing_token
+    granted = (await asyncio.wait_for(mutex.inspect(), timeout)).fence  # (a cohort's: its block)
     emit("held", fence, time.monotonic())
     try:
         line = await asyncio.wait_for(stdin.readline(), timeout)
@@ -47,7 +48,7 @@ async def main(argv: list[str]) -> int:
     await asyncio.sleep(hold)  # keep holding (and renewing) a while longer
     info = await asyncio.wait_for(mutex.inspect(), timeout)
     # Nobody else was granted it since (the fence would have moved on) and it is still held.
-    if mutex.lost.is_set() or info.owner is None or info.fence != fence:
+    if mutex.lost.is_set() or info.owner is None or info.fence != granted:
         emit("lost-before-crash", info)
         os._exit(2)
     emit("crashing", time.monotonic())
