@@ -422,8 +422,9 @@ async def _closed(library: str, url: str) -> dict[str, Any]:
     admin = cls.from_url(url)
     tag = f"aiolocks-closed-{os.getpid()}"
     client = cls.from_url(url, client_name=tag)
-    holder = RedisMutex(client, tag, ttl=CLOSED_TTL)
-    waiter = RedisMutex(client, tag, ttl=CLOSED_TTL)
+    # (strict FIFO: the waiter queued on the server, as another process's would be)
+    holder = RedisMutex(client, tag, ttl=CLOSED_TTL, local_handoff=0)
+    waiter = RedisMutex(client, tag, ttl=CLOSED_TTL, local_handoff=0)
 
     async def received() -> int:
         return int((await admin.info("stats"))["total_connections_received"])

@@ -36,6 +36,7 @@ import redis.asyncio
 __all__ = [
     "NEVER_DECODE",
     "close_engine_client",
+    "describe",
     "close_idle_connections",
     "engine_client",
     "holds_connections",
@@ -280,6 +281,13 @@ def on_aclose(client: Any, hook: Callable[[Any], Awaitable[None]]) -> None:
         return await closing(user, *args, **kwargs)
 
     client.aclose = aclose
+
+
+def describe(client: Any) -> str:
+    """`client` named for an error: its class, the server it is for, and its identity."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+    return f"{type(client).__name__}({where}, db {kwargs.get('db', 0)}) at {id(client):#x}"
 
 
 async def close_engine_client(engine: Any, client: Any) -> None:

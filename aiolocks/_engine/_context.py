@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from .._base import _adapter
 from .._base._clients import AnyRedis
+from .._base._errors import EngineClosed
 from .._leases._keeper import LeaseKeeper
 from .._transport._runner import ScriptRunner
 from .._waiting._notifier import Notifier
@@ -55,6 +56,10 @@ def context_for(client: AnyRedis) -> ClientContext:
         setattr(client, _ATTRIBUTE, per_loop)
     context = per_loop.get(loop)
     if context is None or context.closed:
+        if context is not None and context.closed_by_user:
+            # No fresh engine on a client its user closed (`refuse_calls`): it would open
+            # connections the user has just closed, and arm timers past the loop's end.
+            raise EngineClosed(_adapter.describe(client))
         _check_other_loops(client, per_loop, loop)
         context = per_loop[loop] = ClientContext(client)
         _adapter.on_aclose(client, _closed_by_user)
@@ -63,8 +68,8 @@ def context_for(client: AnyRedis) -> ClientContext:
 
 async def _closed_by_user(client: AnyRedis) -> None:
     """The user closes `client` (`aclose()`): the engine's state for it on this loop ends
-    first (`ClientContext.client_closed`). A later call makes a new one, as redis-py opens
-    new connections for a closed client used again."""
+    first (`ClientContext.client_closed`), and stays: a later call on this loop raises
+    `ClientClosed` (`context_for`); a later loop may use the client again."""
     context = open_context(client)
     if context is not None:
         await context.client_closed()

@@ -165,7 +165,7 @@ class ScriptRunner:
             self._initialised.set_result(None)
         self._sent = 0  # commands sent besides the auto-pipeline's
         # Its client was closed by its user (`refuse_calls`): no call is made any more.
-        self._refusing = False
+        self.closed_by_user = False
 
     async def run(
         self,
@@ -327,11 +327,11 @@ class ScriptRunner:
     def refuse_calls(self) -> None:
         """Its client was closed by its user: every call from now on raises EngineClosed
         (none opens a connection on the closed client)."""
-        self._refusing = True
+        self.closed_by_user = True
 
     async def _ready(self) -> None:
-        if self._refusing:
-            raise EngineClosed("the client was closed")
+        if self.closed_by_user:
+            raise EngineClosed(_adapter.describe(self.client))
         initialised = self._initialised
         if (
             initialised is not None
