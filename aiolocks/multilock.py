@@ -149,7 +149,7 @@ class RedisMultiLock(LeasedLock):
     # -- the engine hooks ----------------------------------------------------------------
 
     async def _acquire_grant(
-        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+        self, context: ClientContext, local_handoff: int, blocking: bool, deadline: float | None
     ) -> _spec.Grant | None:
         """Take every name, all or none: at once when all are free (single server), else
         one by one in sorted order, each as a mutex."""

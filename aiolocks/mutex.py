@@ -44,7 +44,7 @@ def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spe
     )
     return _spec.Spec(
         name=name,
-        kind="x",
+        side="x",
         keys=(owner, queue, waiters, fence),
         heartbeat_keys=(waiters, queue),
         channel=keys.key("wake"),

@@ -56,7 +56,7 @@ class _Side(LeasedLock):
         writer, readers, queue, waiters, fence, fences = (keys.key(part) for part in parts)
         return _spec.Spec(
             name=self._name,
-            kind=self._side,
+            side=self._side,
             keys=(writer, readers, queue, waiters, fence, fences),
             heartbeat_keys=(waiters, queue),
             channel=keys.key("wake"),

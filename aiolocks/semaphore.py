@@ -106,7 +106,7 @@ class RedisSemaphore(LeasedLock):
         holders, queue, waiters, fence, fences, limit = (keys.key(part) for part in parts)
         return _spec.Spec(
             name=self._name,
-            kind="x",
+            side="x",
             keys=(holders, queue, waiters, fence, fences, limit),
             heartbeat_keys=(waiters, queue, limit),
             channel=keys.key("wake"),

@@ -1,6 +1,6 @@
 """Shared benchmark machinery: a server, command counting on both sides, statistics, JSON.
 
-Used by `bench_mutex.py`, `bench_primitives.py` and `bench_peers.py`, so every benchmark
+Used by every `bench_*.py`, so every benchmark
 counts commands, describes the machine and starts its server the same way.
 """
 

@@ -13,7 +13,7 @@ runner's flusher, the notifier's reader, the keeper, ...) during:
 
 Warm: each operation is done once unmeasured first, on the same clients and instances.
 Without `--url`, a `redis-server` from PATH is started on a free 127.0.0.1 port.
-`tests/test_files_entered.py` keeps both counts within the issue's bound.
+`tests/test_files_entered.py` keeps both counts within the issue's limit.
 """
 
 from __future__ import annotations

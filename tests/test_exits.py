@@ -379,26 +379,6 @@ async def test_ctrl_c_of_the_cli_demo_says_one_line_and_leaves_no_process() -> N
         assert await _all_gone(below) == set()
 
 
-@pytest.mark.parametrize("how", ["closed-pipe", "sigterm", "sigkill"])
-async def test_no_child_of_aiolocks_bench_outlives_it(how: str, tmp_path: Path) -> None:
-    # A signal that kills it leaves its scratch directory: in this test's, not the system's.
-    env = {"REDIS_URL": "", "TMPDIR": str(tmp_path)}
-    async with _program(sys.executable, "-m", "aiolocks", "bench", env=env) as bench:
-        await _lines_until(bench, "server valkey")  # the benchmark and its server run
-        below = _descendants(bench.proc.pid)
-        assert len(below) >= 2
-        if how == "closed-pipe":  # `aiolocks bench | head -3`
-            assert bench.proc.stdout is not None
-            bench.proc.stdout.feed_eof()
-            bench.proc._transport.get_pipe_transport(1).close()  # type: ignore[attr-defined]
-            status = await asyncio.wait_for(bench.proc.wait(), 60)
-            assert status == 141
-        else:
-            bench.proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
-            await asyncio.wait_for(bench.proc.wait(), 30)
-        assert await _all_gone(below) == set()
-
-
 @pytest.mark.parametrize("how", ["closed-pipe", "sigkill"])
 async def test_no_child_of_the_demo_example_outlives_it(how: str) -> None:
     example = ROOT / "examples" / "demo.py"

@@ -116,7 +116,7 @@ async def cancelled(holder: LeasedLock, waiter: LeasedLock, probe: QueueProbe) -
 
 
 async def cohort(client: redis.asyncio.Redis, other: LeasedLock, probe: QueueProbe) -> None:
-    """Local hand-offs among 4 tasks of one process (bound 2), with a remote waiter queued:
+    """Local hand-offs among 4 tasks of one process (local_handoff=2), with a remote waiter queued:
     the lease goes back and forth between the cohort and the global queue."""
     mutex = RedisMutex(client, "e:cohort", ttl=TTL, local_handoff=2)
 

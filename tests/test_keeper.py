@@ -17,7 +17,7 @@ from _servers import ServerProcess
 from aiolocks import RedisElection, RedisMutex, RedisReadWriteLock, RedisSemaphore
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import LeasedLock
-from aiolocks._leases._keeper import BATCH, Lease
+from aiolocks._leases._keeper import _IDLE_EXIT, BATCH, Lease
 from aiolocks._leases._renewbatch import RENEW_BATCH, pack
 from aiolocks.testing import expire_leases
 
@@ -230,3 +230,32 @@ async def test_twenty_thousand_leases_held_with_none_lost(
             await lock.release()
 
     await asyncio.gather(*(release(lock) for lock in locks))
+
+
+async def test_holding_after_holding_leaves_the_keeper_asleep(
+    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41 (client CPU per cycle): each release that left nothing to keep woke the
+    keeper's task to linger anew (a loop turn and a timer per uncontended cycle). It is
+    woken only when it would sleep past its linger otherwise, and still ends within it."""
+    mutex = RedisMutex(client, "keeper:idle")
+    for _ in range(3):
+        async with mutex:
+            pass
+    keeper = context_for(client).keeper
+    sleeps = 0
+    sleep = keeper._sleep
+
+    async def counted(due: float | None, now: float) -> None:
+        nonlocal sleeps
+        sleeps += 1
+        await sleep(due, now)
+
+    monkeypatch.setattr(keeper, "_sleep", counted)
+    for _ in range(20):
+        async with mutex:
+            pass
+    assert sleeps <= 1  # (one: its linger ended meanwhile on a loaded machine)
+    task = keeper._task
+    assert task is not None
+    await asyncio.wait_for(asyncio.shield(task), _IDLE_EXIT * 2 + 2.0)  # it ends

@@ -2,9 +2,10 @@
 
 Shown here: exclusion and strictly increasing fences from the outside (a history logged on
 the server by every holder), in one process and across four; far fewer script calls than
-acquisitions; a waiter of another client gets in within the bound; a lease lost in the
-middle of a local chain is reported to the holder of the moment, and the tasks waiting
-behind it go on through Redis; cancellation and timeouts of local waiters.
+acquisitions; a waiter of another client gets in within the count limit and the time bound;
+a lease lost in the middle of a local chain is reported to the holder of the moment, and
+the tasks waiting behind it go on through Redis; cancellation and timeouts of local
+waiters.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "cohort_counter.py"
 
 
 async def run_chain(
-    client: redis.asyncio.Redis, name: str, tasks: int, iterations: int, bound: int | None
+    client: redis.asyncio.Redis, name: str, tasks: int, iterations: int, local_handoff: int | None
 ) -> list[int]:
     """`tasks` tasks each hold `name` `iterations` times, logging the history; returns the
     fences in the order the holdings began."""
@@ -42,7 +43,7 @@ async def run_chain(
     fences: list[int] = []
 
     async def hold(task: int) -> None:
-        mutex = RedisMutex(client, name, ttl=10, timeout=30, local_handoff=bound)
+        mutex = RedisMutex(client, name, ttl=10, timeout=30, local_handoff=local_handoff)
         for _ in range(iterations):
             async with mutex:
                 fence = mutex.fencing_token
@@ -59,9 +60,9 @@ async def run_chain(
 
 @pytest.fixture
 def untimed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The count bound alone (no time bound), for tests of the chain's mechanics that a
+    """The count limit alone (no time bound), for tests of the chain's mechanics that a
     loaded machine's slow holdings would otherwise cut short."""
-    monkeypatch.setattr(_cohort, "CHAIN_LIMIT", 3600.0)
+    monkeypatch.setattr(_cohort, "CHAIN_BOUND", 3600.0)
 
 
 @pytest.mark.usefixtures("untimed")
@@ -123,8 +124,10 @@ async def test_four_processes_of_sixteen_tasks(r: redis.asyncio.Redis, url: str)
     assert max(calls) < tasks * iterations, calls
 
 
-async def holdings_ahead_of_a_remote_waiter(url: str, name: str, bound: int, body: float) -> int:
-    """Eight local tasks keep passing `name` around (`local_handoff=bound`, each holding
+async def holdings_ahead_of_a_remote_waiter(
+    url: str, name: str, local_handoff: int, body: float
+) -> int:
+    """Eight local tasks keep passing `name` around (`local_handoff`, each holding
     `body` s) while a waiter of another client (another process, as far as the lock can
     tell) queues: how many local holdings began after it queued and before it got in."""
     local = redis.asyncio.Redis.from_url(url)
@@ -136,7 +139,7 @@ async def holdings_ahead_of_a_remote_waiter(url: str, name: str, bound: int, bod
     try:
 
         async def spin() -> None:
-            mutex = RedisMutex(local, name, ttl=10, local_handoff=bound)
+            mutex = RedisMutex(local, name, ttl=10, local_handoff=local_handoff)
             while not stop.is_set():
                 async with mutex:
                     started.set()
@@ -161,22 +164,22 @@ async def holdings_ahead_of_a_remote_waiter(url: str, name: str, bound: int, bod
         await remote.aclose()
 
 
-async def test_a_remote_waiter_gets_in_within_the_bound(url: str) -> None:
-    """The remote waiter gets in after at most `bound` more local holdings after the
+async def test_a_remote_waiter_gets_in_within_the_local_handoff_count(url: str) -> None:
+    """The remote waiter gets in after at most `local_handoff` more local holdings after the
     current one."""
     ahead = await holdings_ahead_of_a_remote_waiter(url, "bounded", 4, 0)
-    # The documented bound: N local holdings after the current one. The probe may see the
+    # The documented limit: N local holdings after the current one. The probe may see the
     # queue entry before the holding under way at that moment looks at it (under load it
     # did), so that one can be counted too.
     assert ahead <= 4 + 1, ahead
 
 
 async def test_a_remote_waiter_waits_at_most_the_time_bound(url: str) -> None:
-    """With a count bound that never binds, local holdings of >= 1 ms each stop passing the
-    lock on once it has stayed CHAIN_LIMIT (10 ms) in the process: the remote waiter gets
-    it after about ten of them (without the time bound it waited for ever)."""
+    """With a `local_handoff` count that never binds, local holdings of >= 1 ms each stop
+    passing the lock on once it has stayed CHAIN_BOUND (10 ms) in the process: the remote
+    waiter gets it after about ten of them (without the time bound it waited for ever)."""
     ahead = await holdings_ahead_of_a_remote_waiter(url, "timed", 10_000, 0.001)
-    limit = round(_cohort.CHAIN_LIMIT / 0.001)  # holdings of >= 1 ms in the time bound
+    limit = round(_cohort.CHAIN_BOUND / 0.001)  # holdings of >= 1 ms in the time bound
     assert ahead <= limit + 2, ahead
 
 
@@ -187,12 +190,12 @@ async def fence_of(mutex: RedisMutex) -> int | None:
 
 
 async def test_a_long_holding_is_not_passed_on_locally(r: redis.asyncio.Redis) -> None:
-    """A holding of CHAIN_LIMIT or more goes back through Redis (which lets the cohort keep
+    """A holding of CHAIN_BOUND or more goes back through Redis (which lets the cohort keep
     it when nobody else waits: a new fence block), where a short one is passed locally
     (the next fence of the block)."""
     holder = RedisMutex(r, "long", ttl=10, local_handoff=16)
     waiter = RedisMutex(r, "long", ttl=10, local_handoff=16)
-    for hold, local in ((0.0, True), (_cohort.CHAIN_LIMIT * 2, False)):
+    for hold, local in ((0.0, True), (_cohort.CHAIN_BOUND * 2, False)):
         assert await holder.acquire()
         first = holder.fencing_token
         assert first is not None

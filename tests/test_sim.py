@@ -65,6 +65,11 @@ SCENARIOS = {
     "multilock-grant-for-another-name": "found by the simulation: a grant for another name",
     "cohort-pass-after-validity": "found by the simulation: a lapsed lease passed locally",
     "cohort-release-bound": "found by the simulation: a cohort release past the validity",
+    # issue 45: the default's cohort paths no seed reached, and its fairness bound
+    "cohort-at-its-bound-while-another-waits": "a waiter elsewhere past the 10 ms bound",
+    "cohort-keeps-past-its-renewal": "a kept lease renewed from the keep's request",
+    "cohort-pass-at-the-drift-margin": "a lease lapsed inside the 10 ms, passed locally",
+    "cohort-turns-cancelled-and-handed-over": "a turn cancelled as it comes; a detached cohort",
     "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
     "clock-back": "issue 33: fences rise across a server clock stepped back",
     "clock-back-after-expiry": "issue 40: ... and stepped back after the counter expired",

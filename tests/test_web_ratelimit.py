@@ -259,3 +259,36 @@ def test_per_request_limits_and_rate_fail_when_the_app_is_built() -> None:
         request_limit("api", rate=1, limits=lambda request: PLANS["free"])
     with pytest.raises(ValueError, match="or limits=, not both"):
         aiohttp_limits.limit_middleware(lambda request: "api", burst=2, limits=lambda r: [])
+
+
+@ONE_SERVER
+async def test_fastapi_reuses_one_limiter_per_name_and_still_limits(
+    r: redis.asyncio.Redis,
+) -> None:
+    """Issue 44: `request_limit` built a `RedisRateLimiter` per request (1.49x a route with
+    no limit). One is built per name (and limits) and reused; the limit holds as before, and
+    one that adopted limits stored by `set_limits()` is replaced by a new one, as a limiter
+    made per request would be."""
+    app = FastAPI()
+
+    @app.get("/users/{user_id}")
+    async def work(
+        user_id: int,
+        permit: Annotated[
+            Permit, Depends(request_limit("reuse:{user_id}", rate=3, burst=3, client=r))
+        ],
+    ) -> dict[str, Any]:
+        limiter = permit.limiter
+        return {"id": id(limiter), "rate": limiter.rate, "adopted": limiter._stamp != 0}
+
+    async with fastapi_client(app) as c:
+        seven = [await c.get("/users/7") for _ in range(4)]
+        assert [answer.status_code for answer in seven] == [200, 200, 200, 429]
+        assert len({answer.json()["id"] for answer in seven[:3]}) == 1  # one limiter for 7
+        eight = (await c.get("/users/8")).json()
+        assert eight["id"] != seven[0].json()["id"]  # another name, another limiter
+        await RedisRateLimiter(r, "reuse:8", rate=3, burst=3).set_limits(rate=100, burst=100)
+        adopting = (await c.get("/users/8")).json()
+        assert adopting["id"] == eight["id"] and adopting["rate"] == 100 and adopting["adopted"]
+        after = (await c.get("/users/8")).json()
+        assert after["id"] != eight["id"] and after["rate"] == 100  # a new one, adopting anew

@@ -110,11 +110,11 @@ def read_beside_the_reader(exc: BaseException) -> bool:
 
 async def pooled_connection(pool: Any) -> Any:
     """A connection of `pool`, for the caller's own use until it is released to the pool."""
-    kind = type(pool)
-    named = _NAMED.get(kind)
+    pool_type = type(pool)
+    named = _NAMED.get(pool_type)
     if named is None:
         parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
-        named = _NAMED[kind] = parameter is not None and parameter.default is parameter.empty
+        named = _NAMED[pool_type] = parameter is not None and parameter.default is parameter.empty
     if named:
         return await pool.get_connection("EVALSHA")
     return await pool.get_connection()
@@ -157,12 +157,12 @@ def take_unread(connection: Any) -> bytes | None:
     return received
 
 
-def pubsub_unsubscribed(pubsub: Any, kind: bytes, channel: bytes) -> None:
-    """Tell `pubsub` the server confirmed the unsubscription of `channel` (`kind`:
+def pubsub_unsubscribed(pubsub: Any, message_type: bytes, channel: bytes) -> None:
+    """Tell `pubsub` the server confirmed the unsubscription of `channel` (`message_type`:
     b"unsubscribe" or b"sunsubscribe"), as its own read would (`PubSub.handle_message`):
     it forgets the channel, and so no longer subscribes it again on re-connecting. For a
     reader that parses the connection's replies itself."""
-    sharded = kind == b"sunsubscribe"
+    sharded = message_type == b"sunsubscribe"
     # redis-py < 8 (and valkey-py < 6.1) keep no sharded channels: `ssubscribe` above does.
     pending = getattr(
         pubsub,

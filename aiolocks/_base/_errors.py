@@ -67,7 +67,6 @@ NOPERMISSION_ERRORS = _either("NoPermissionError")
 CLUSTERDOWN_ERRORS = _either("ClusterDownError")
 TRYAGAIN_ERRORS = _either("TryAgainError")
 READONLY_ERRORS = _either("ReadOnlyError")
-MOVED_ERRORS = _either("MovedError")
 _UNREACHABLE: tuple[type[Exception], ...] = (
     TimeoutError,
     *CONNECTION_ERRORS,

@@ -4,7 +4,7 @@ scripts' replies, what failures of a call mean, and how an acquisition ends (`Gr
 Script conventions (see `_scripts/*.lua`; each reply is decoded, once, in the engine module
 that runs the script: `_acquire.AcquireReply`, `_release.ReleaseReply`):
 
-- member = "<token>:<ttl_ms>:<tag>:<kind>", the acquisition's queue entry; tag names the
+- member = "<token>:<ttl_ms>:<tag>:<side>", the acquisition's queue entry; tag names the
   caller's client (`WaitQueue.tag`): a grant to a waiter with the caller's tag is not
   published, as the caller wakes that waiter from the reply.
 - acquire: KEYS = spec.keys, ARGV = member, 'try'|'wait', channel, *spec.args.
@@ -62,7 +62,7 @@ class Spec:
     """What a primitive instance gives the engine: its keys, channel and scripts."""
 
     name: str
-    kind: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side
+    side: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side
     keys: tuple[bytes, ...]
     heartbeat_keys: tuple[bytes, ...]  # the waiters key, then the keys kept alive with it
     channel: bytes

@@ -136,7 +136,7 @@ class Recorder(Protocol):
         limit: LimitCall | None,
     ) -> None:
         """It ended with `outcome` (one of ACQUIRED ... ERROR); on ACQUIRED the current
-        task holds `lock` (a rate limiter's: `limit` says what bound the call)."""
+        task holds `lock` (a rate limiter's: `limit` says which limit held the call back)."""
 
     def released(self, spec: SpecView, token: str) -> None:
         """The holding `token` is being released (its hold ends)."""

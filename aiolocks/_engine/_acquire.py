@@ -140,7 +140,7 @@ def acquire(
     instance's current spec: a refusal by a stale one (e.g. `set_limit()` meanwhile) is
     retried with it.
     """
-    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    member = context.waitqueue.member(token, ttl_ms, spec.side)
     late = LateGrants(ttl_ms)
     return _Acquisition(
         context, spec, respec, token, ttl_ms, blocking, deadline, member, late
@@ -296,7 +296,7 @@ class _Acquisition:
         """PARK: join the local queue (the keeper heartbeats it) and subscribe."""
         context, spec = self.context, self.spec
         waiter = context.waitqueue.park(
-            spec.channel, self.token, self.ttl_ms, spec.kind, spec.shared, self.deadline
+            spec.channel, self.token, self.ttl_ms, spec.side, spec.shared, self.deadline
         )
         self.waiter = waiter
         context.keeper.watch_waiter(spec.heartbeat_keys, waiter)
@@ -446,7 +446,7 @@ async def confirm(
     Replication is in order, so a replica that has this write also has the grant before
     it, whichever client made that grant (a hand-off is made by the releaser).
     """
-    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    member = context.waitqueue.member(token, ttl_ms, spec.side)
     reply, acked = await context.run_then_wait(
         spec.acquire, spec.keys, (member, "try", spec.channel, *spec.args), replicas, timeout_ms
     )

@@ -1,18 +1,18 @@
 """Local hand-off (lock cohorting): a process that holds a lease passes it among its own
-waiting tasks, up to a bound, before it goes back to the global FIFO queue.
+waiting tasks, up to a limit, before it goes back to the global FIFO queue.
 
 After Dice, Marathe and Shavit, "Lock Cohorting" (PPoPP 2012). The tasks of one process
 that want one lock with the same settings form a cohort. At most one of them (the
 contender) acquires through Redis at a time; the others wait here, in FIFO order, without
 any Redis state. When the cohort holds the lease, a release hands it to the next local
-task without a round trip, up to `bound` times in a row and for at most `CHAIN_LIMIT`
-seconds since the lease came from Redis, and never after a holding of `CHAIN_LIMIT` or
-more; then the release script is asked to give it to the global queue, or, when nobody
-waits there, to let the cohort keep it. So a waiter in another process waits beyond strict
-FIFO at most `bound` local holdings and at most `CHAIN_LIMIT` of them (plus the holding in
-progress when the limit passes).
+task without a round trip, up to `local_handoff` times in a row and for at most
+`CHAIN_BOUND` seconds since the lease came from Redis, and never after a holding of
+`CHAIN_BOUND` or more; then the release script is asked to give it to the global queue,
+or, when nobody waits there, to let the cohort keep it. So a waiter in another process
+waits beyond strict FIFO at most `local_handoff` local holdings and at most `CHAIN_BOUND`
+of them (plus the holding in progress when the bound passes).
 
-Fences stay strictly increasing across all holders: a cohort's token ends in "+<bound+1>"
+Fences stay strictly increasing across all holders: a cohort's token ends in "+<local_handoff+1>"
 and every grant of it reserves that many consecutive fences (see `_prelude.lua`); local
 hand-offs use the rest of the block, and any later grant is above it.
 """
@@ -33,7 +33,7 @@ from ._context import ClientContext
 from ._release import Released, Unanswered
 
 __all__ = [
-    "CHAIN_LIMIT",
+    "CHAIN_BOUND",
     "DEFAULT_LOCAL_HANDOFF",
     "MAX_LOCAL_HANDOFF",
     "Cohort",
@@ -46,15 +46,15 @@ __all__ = [
 
 
 MAX_LOCAL_HANDOFF = 10_000
-# `RedisMutex`'s default bound: measured best of 4 and 16 (docs/benchmarks.md).
+# `RedisMutex`'s default `local_handoff`: measured best of 4 and 16 (docs/benchmarks.md).
 DEFAULT_LOCAL_HANDOFF = 16
 # Local passes stop once the lease has stayed in this process so long since it came from
 # Redis, and after any holding this long. Go's sync.Mutex turns fair after a 1 ms wait, but
 # a pass through Redis costs ~100x a thread's hand-off (a round trip): 10 ms keeps 0.1-5 ms
 # bodies passing locally and makes 20 ms ones strict FIFO (docs/benchmarks.md).
-CHAIN_LIMIT = 0.010
+CHAIN_BOUND = 0.010
 
-_Key = tuple[bytes, int, int]  # (channel, ttl_ms, bound)
+_Key = tuple[bytes, int, int]  # (channel, ttl_ms, local_handoff)
 
 
 class Member(Protocol):
@@ -64,7 +64,7 @@ class Member(Protocol):
     _holdings: dict[asyncio.Task[Any], Holding]
 
     async def _acquire_grant(
-        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+        self, context: ClientContext, local_handoff: int, blocking: bool, deadline: float | None
     ) -> Grant | None: ...
 
     def _new_lease(self, grant: Grant, owner: LeaseOwner) -> Lease: ...
@@ -93,24 +93,24 @@ class _LocalWaiter:
 
 
 def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
-    """The cohorts of `context`, by (channel, ttl_ms, bound); idle ones leave."""
+    """The cohorts of `context`, by (channel, ttl_ms, local_handoff); idle ones leave."""
     cohorts: dict[_Key, Cohort] = context.keep("cohorts", dict)
     return cohorts
 
 
-def cohort_for(context: ClientContext, spec: Spec, ttl_ms: int, bound: int) -> Cohort:
-    """The cohort of this process for one lock and one setting of ttl and bound."""
-    key = (spec.channel, ttl_ms, bound)
+def cohort_for(context: ClientContext, spec: Spec, ttl_ms: int, local_handoff: int) -> Cohort:
+    """The cohort of this process for one lock and one setting of ttl and local_handoff."""
+    key = (spec.channel, ttl_ms, local_handoff)
     cohorts = cohorts_of(context)
     cohort = cohorts.get(key)
     if cohort is None:
-        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, bound)
+        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, local_handoff)
     return cohort
 
 
-def cohort_token(token: str, bound: int) -> str:
-    """The token a cohort acquires with: a grant of it reserves `bound + 1` fences."""
-    return f"{token}+{bound + 1}"
+def cohort_token(token: str, local_handoff: int) -> str:
+    """The token a cohort acquires with: a grant of it reserves `local_handoff + 1` fences."""
+    return f"{token}+{local_handoff + 1}"
 
 
 def is_cohort_token(token: str) -> bool:
@@ -122,13 +122,13 @@ class Cohort:
     """The tasks of one process (one client, one loop) that want one lock with one setting
     of `ttl` and `local_handoff`."""
 
-    def __init__(self, context: ClientContext, spec: Spec, ttl_ms: int, bound: int):
+    def __init__(self, context: ClientContext, spec: Spec, ttl_ms: int, local_handoff: int):
         self._context = context
         self._cohorts = cohorts_of(context)  # where it is kept while in use
-        self._key = (spec.channel, ttl_ms, bound)
+        self._key = (spec.channel, ttl_ms, local_handoff)
         self._spec = spec
         self._ttl_ms = ttl_ms
-        self.bound = bound
+        self.local_handoff = local_handoff
         self._queue: deque[_LocalWaiter] = deque()
         self._contending = False  # a task is acquiring through Redis for the cohort
         self.token: str | None = None  # the cohort's lease on the server, while it has one
@@ -204,7 +204,7 @@ class Cohort:
         self._contending = True  # already, for a task promoted to it
         grant = None
         try:
-            grant = await lock._acquire_grant(self._context, self.bound, blocking, deadline)
+            grant = await lock._acquire_grant(self._context, self.local_handoff, blocking, deadline)
         finally:
             self._contending = False
             if grant is None:
@@ -280,12 +280,12 @@ class Cohort:
             self._retire_if_idle()
 
     def _may_pass(self) -> bool:
-        """Whether the bound allows one more local pass: by count, by the time the lease
+        """Whether one more local pass is allowed: by count (`local_handoff`), by the time the lease
         has stayed here, and not after a long holding."""
-        if self.passes >= self.bound:
+        if self.passes >= self.local_handoff:
             return False
         now = _clock.monotonic()
-        return now - self._chain_start < CHAIN_LIMIT and now - self._held_since < CHAIN_LIMIT
+        return now - self._chain_start < CHAIN_BOUND and now - self._held_since < CHAIN_BOUND
 
     def detach(self, holding: Holding) -> None:
         """`holding` leaves the process (`detach()`): the cohort lets go of its lease
@@ -309,8 +309,8 @@ class Cohort:
         self, lease: Lease, releaser: Spec, until: float | None, keep: bool
     ) -> bool | Unanswered | None:
         """Give the lease back through the release every holder uses (the client's release
-        gate, the lease renewed until the answer). `keep` (local tasks still wait, the bound
-        reached): the release script gives it to the global queue, or, when nobody waits
+        gate, the lease renewed until the answer). `keep` (local tasks still wait, and no local
+        pass is allowed): the release script gives it to the global queue, or, when nobody waits
         there, lets the cohort keep it with a fresh lease and fence block (one round trip
         either way); a release cut short gives it back."""
         token = self.token

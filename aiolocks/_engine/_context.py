@@ -3,7 +3,7 @@
 There is one `ClientContext` per (client, event loop). Every primitive built on the same
 client shares it, so 10,000 waiting tasks share one pub/sub connection, one renewal task
 and one auto-pipelined connection for their script calls (or, with auto-pipelining off
-and on Cluster, a bounded number of in-flight commands). The context is a `ScriptRunner`
+and on Cluster, a limited number of in-flight commands). The context is a `ScriptRunner`
 (`_runner.py`) that also owns the rest of the bundle and ends it with the event loop.
 """
 
@@ -124,12 +124,12 @@ def _describe(loop: asyncio.AbstractEventLoop) -> str:
 # iteration) would otherwise start every release at once: each one's calls, timer and
 # coroutines made in that one iteration, so many objects that the garbage collector's full
 # collections stall the loop for longer than the leases' validity, and every lease is
-# lost. Past the bound an exit waits here, holding only a future, its lease still renewed,
+# lost. Past the limit an exit waits here, holding only a future, its lease still renewed,
 # and goes when a release ahead of it ends (more than the link carries at once are in
 # flight meanwhile).
 class Gate:
     """At most `limit` holders inside; the others wait in arrival order (a first-come,
-    first-served bound on the releases one client has in flight)."""
+    first-served limit on the releases one client has in flight)."""
 
     __slots__ = ("inside", "limit", "waiting")
 

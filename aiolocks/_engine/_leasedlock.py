@@ -134,8 +134,8 @@ class LeasedLock(AsyncWithOnly):
         return self._ttl
 
     def __repr__(self) -> str:
-        kind = type(self).__name__
-        return f"<{kind} {self._name!r} ttl={self._ttl:g} held_here={len(self._holdings)}>"
+        class_name = type(self).__name__
+        return f"<{class_name} {self._name!r} ttl={self._ttl:g} held_here={len(self._holdings)}>"
 
     # -- the hooks a primitive overrides -------------------------------------------------
 
@@ -341,13 +341,14 @@ class LeasedLock(AsyncWithOnly):
         return acquired
 
     async def _acquire_grant(
-        self, context: ClientContext, bound: int, blocking: bool, deadline: float | None
+        self, context: ClientContext, local_handoff: int, blocking: bool, deadline: float | None
     ) -> _spec.Grant | None:
-        """One acquisition through Redis (replication confirmed, if asked for); `bound` > 0
-        makes it a local hand-off cohort's, which reserves `bound + 1` fences."""
+        """One acquisition through Redis (replication confirmed, if asked for);
+        `local_handoff` > 0 makes it a local hand-off cohort's, which reserves
+        `local_handoff + 1` fences."""
         token = _clock.token_hex(16)
-        if bound:
-            token = cohort_token(token, bound)
+        if local_handoff:
+            token = cohort_token(token, local_handoff)
         try_bound, deadline = self._try_deadline(blocking, deadline)
         with map_redis_errors(self._name):
             grant = await _acquire.acquire(

@@ -165,7 +165,7 @@ async def release_reply(
     off (it may have done the work, and the reply is then the retry's). `sent`: as for
     `ClientContext.run`.
     """
-    member = context.waitqueue.member(token, ttl_ms, spec.kind)
+    member = context.waitqueue.member(token, ttl_ms, spec.side)
     args = (member, spec.channel, *spec.args, *extra)
     reply, unsure = await _granting(context, spec, spec.release, args, True, sent)
     return ReleaseReply.decode(reply), unsure

@@ -155,8 +155,8 @@ class Lease:
         self.releasing = True
 
     def kept(self, sent_at: float) -> None:
-        """Its release let the same token keep it (a cohort at its bound with nobody waiting
-        elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
+        """Its release let the same token keep it (a cohort out of local passes, nobody
+        waiting elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
         self.renewed(sent_at)
         self.releasing = False
         self.lost = False
@@ -610,7 +610,14 @@ class LeaseKeeper:
         if self._leases or self._groups or not self._heap:
             return
         self._heap.clear()  # in place, as in `_push`
-        if self._sleeper is not None and not self._sleeper.done():
+        # Woken only if it would sleep longer than that (until a stale entry's due): one
+        # sleeping till its linger's end anyway is left alone, so a holding after holding
+        # costs no wake-up of the task and no timer.
+        if (
+            self._sleeper is not None
+            and not self._sleeper.done()
+            and self._wake_at > _clock.monotonic() + _IDLE_EXIT
+        ):
             self._sleeper.set_result(None)
 
     def _push(self, due: float, item: _Item) -> None:

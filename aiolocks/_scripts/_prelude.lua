@@ -4,9 +4,9 @@
 --   queue   LIST  of members in FIFO order
 --   waiters ZSET  member -> liveness deadline (server ms); a member whose
 --                 deadline has passed belongs to a dead process and is purged.
--- A member is "<token>:<ttl_ms>:<tag>:<kind>": whoever pops it knows the lease to grant;
+-- A member is "<token>:<ttl_ms>:<tag>:<side>": whoever pops it knows the lease to grant;
 -- the tag names the client it waits in, so a client handing on to its own waiter (which
--- it wakes from the script's reply) need not publish; kind is 'x' (exclusive), or 'r' /
+-- it wakes from the script's reply) need not publish; side is 'x' (exclusive), or 'r' /
 -- 'w' for the two sides of a read-write lock.
 -- A grant is announced on the primitive's channel as "<token> <fence> <ttl_ms>".
 --
@@ -131,9 +131,22 @@ local function now_us()
 end
 
 -- An integer as its decimal digits. Never let Lua or the server turn a large number into
--- text: Lua's tostring and `..` keep 14 significant digits, and a fence has 16.
+-- text: Lua's tostring and `..` keep 14 significant digits, and a fence has 16. '%d' (a C
+-- long: 32 bits on a 32-bit build) takes a third of '%.0f''s time, and is exact below 2^31.
+-- `n` may be a number's text (a ttl from ARGV).
 local function int_str(n)
+  n = tonumber(n)
+  if n < 2147483648 and n > -2147483648 then
+    return string.format('%d', n)
+  end
   return string.format('%.0f', n)
+end
+
+-- The server clock in microseconds (now_us) as its decimal digits, from TIME's own text:
+-- no number to format.
+local function now_us_str()
+  local t = server_time()
+  return t[1] .. string.sub('00000' .. t[2], -6)
 end
 
 -- Expiry: every key of a primitive lives while anyone holds or waits, and at most this long
@@ -162,8 +175,8 @@ local function keep_all(keys, first, ms)
 end
 
 local function split_member(member)
-  local token, ttl, tag, kind = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
-  return token, ttl, tag, kind
+  local token, ttl, tag, side = string.match(member, '^([^:]+):([^:]+):([^:]*):(.*)$')
+  return token, ttl, tag, side
 end
 
 -- Put a member at the tail (once) and refresh its liveness deadline (now + ttl); the queue
@@ -247,14 +260,21 @@ local function fence_block(token)
 end
 
 -- Count a grant of `token` whose lease is `ttl` ms: returns the first fence of its block.
--- The fence counter is a hybrid logical clock: a block starts above both the stored counter
--- and the server clock in microseconds, so fences stay strictly increasing after the key
--- expired (or was lost: a restart without persistence, a failover to a replica behind).
+-- The fence counter is a hybrid logical clock: a block starts above the stored counter and
+-- reaches at least the server clock in microseconds, so fences stay strictly increasing
+-- after the key expired (or was lost: a restart without persistence, a failover to a
+-- replica behind).
 -- The key outlives the lease by IDLE_MS, and FENCE_KEEP_MS at least, and never expires
 -- before the clock has passed the stored value: a cohort reserving blocks faster than one
 -- fence per microsecond runs the counter ahead of the clock, and its expiry is pushed back
 -- by as much. So once the key has expired the clock is past every fence by that much, and a
 -- server clock stepped back by less still hands out higher fences.
+-- Where the key was missing, the block starts above the clock (nothing stored to start
+-- above). Where the stored counter is behind the clock by a block or more (the usual case:
+-- the last grant was a while ago), the block ends at the clock instead, and the counter is
+-- written as TIME's own digits (now_us_str: no 16-digit number to format); it still starts
+-- above the stored counter, and ends where the clock-based rule needs it. Otherwise (a
+-- cohort ahead of the clock, or a clock stepped back) it starts right above the counter.
 -- `stored`: the counter's value when the caller has just read it (nil: read it here).
 -- `alone`: the counter serves this lease only (a mutex: whoever held it before has ended by
 -- now), so its expiry is this grant's need, set without reading the one it had (which
@@ -265,13 +285,17 @@ local function grant_fence(fence_key, token, ttl, stored, alone)
   if stored == nil then
     stored = tonumber(redis.call('GET', fence_key)) or 0
   end
-  local base = math.max(stored, now)
-  local last = base + block
+  local base, last, digits = stored, stored + block, nil
+  if stored > 0 and now - block >= stored then
+    base, last, digits = now - block, now, now_us_str()
+  elseif stored < now then
+    base, last = now, now + block
+  end
   local keep = math.max(tonumber(ttl) + IDLE_MS, FENCE_KEEP_MS) + math.ceil((last - now) / 1000)
   if not alone then
     keep = math.max(keep, redis.call('PTTL', fence_key))
   end
-  redis.call('SET', fence_key, int_str(last), 'PX', int_str(keep))
+  redis.call('SET', fence_key, digits or int_str(last), 'PX', int_str(keep))
   return base + 1
 end
 

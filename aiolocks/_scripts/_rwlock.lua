@@ -1,6 +1,6 @@
 -- Shared by the read-write lock scripts. Keys: writer STRING (token, lease as PX),
 -- readers ZSET (token -> lease deadline), queue, waiters, fence, fences HASH (reader -> fence).
--- Queue members are of kind 'r' or 'w'. The writer's fence is the counter itself: no
+-- Queue members take side 'r' or 'w'. The writer's fence is the counter itself: no
 -- reader is granted (no fence taken) while a writer holds.
 
 local function rw_keys()
@@ -27,17 +27,17 @@ end
 -- head are dropped on the way. Expired readers must have been purged. Grants go to `grants`.
 local function rw_fill(k, channel, caller_tag, now, grants)
   local function admits(member)  -- a writer waits for the readers to leave
-    local _, _, _, kind = split_member(member)
-    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)
+    local _, _, _, side = split_member(member)
+    return not (side == 'w' and redis.call('ZCARD', k.readers) > 0)
   end
   while redis.call('EXISTS', k.writer) == 0 do
     local first = pop_live(k.queue, k.waiters, redis.call('LINDEX', k.queue, 0), now, nil, admits)
     if not first then
       return
     end
-    local token, ttl, tag, kind = split_member(first)
+    local token, ttl, tag, side = split_member(first)
     local fence
-    if kind == 'w' then
+    if side == 'w' then
       fence = grant_writer(k, token, ttl)
     else
       fence = hold_in_set(k.readers, k.fences, k.fence, token, ttl, now)
@@ -48,8 +48,8 @@ local function rw_fill(k, channel, caller_tag, now, grants)
 end
 
 -- The caller's fence if it holds its side now, else nil.
-local function rw_held(k, token, kind, now)
-  if kind == 'w' then
+local function rw_held(k, token, side, now)
+  if side == 'w' then
     if redis.call('GET', k.writer) == token then
       return tonumber(redis.call('GET', k.fence))
     end

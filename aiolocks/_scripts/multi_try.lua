@@ -6,13 +6,16 @@
 -- name is held by another token or has anyone queued: then nothing was changed, and the
 -- caller takes the names one by one through their queues.
 -- Reads only what the decision needs (each checks its key's type; the waiters zsets are
--- neither read nor written): per name GET owner, LINDEX queue, GET fence.
+-- neither read nor written): per name EXISTS owner queue (0 when both are missing: nothing
+-- to check), else GET owner, LINDEX queue; then GET fence.
 local token, ttl = ARGV[1], ARGV[2]
 local current, stored = {}, {}
 for i = 1, #KEYS, 4 do
-  current[i] = read_key(i, 'string')
-  if (current[i] and current[i] ~= token) or read_key(i + 1, 'first') then
-    return {0}
+  if redis.call('EXISTS', KEYS[i], KEYS[i + 1]) > 0 then
+    current[i] = read_key(i, 'string')
+    if (current[i] and current[i] ~= token) or read_key(i + 1, 'first') then
+      return {0}
+    end
   end
   stored[i] = tonumber(read_key(i + 3, 'counter')) or 0
 end

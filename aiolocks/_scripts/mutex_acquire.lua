@@ -16,20 +16,29 @@ local token, ttl, tag = split_member(member)
 
 -- Only what the decision needs is read; each read checks its key's type, and the waiters
 -- zset, read on the contended paths only, is checked by its first command there, before
--- anything is written. Free path: GET, LINDEX, GET, TIME, SET, SET.
+-- anything is written. Free path: EXISTS, GET, TIME, SET, SET. EXISTS checks no type, and
+-- needs none: it answers 0 only when the owner and the queue are both missing; any other
+-- answer reads each key that exists, checking its type.
+local present = redis.call('EXISTS', owner, queue)
+if present == 0 then
+  -- The uncontended path: free, nobody queued.
+  local stored = tonumber(read_key(4, 'counter')) or 0
+  redis.call('SET', owner, token, 'PX', ttl)
+  return {1, grant_fence(fence_key, token, ttl, stored, true)}
+end
 local current = read_key(1, 'string')
 if current == token then  -- a re-check, a retry or a late grant's confirmation: renew
   local stored = tonumber(read_key(4, 'counter')) or 0
   extend_lease({owner, fence_key}, ttl)
   return {1, stored - fence_block(token) + 1}
 end
-local head = read_key(2, 'first')
-local stored = tonumber(read_key(4, 'counter')) or 0
-if not current and not head then
-  -- The uncontended path: free, nobody queued.
-  redis.call('SET', owner, token, 'PX', ttl)
-  return {1, grant_fence(fence_key, token, ttl, stored, true)}
+-- The queue exists unless the owner alone does (then nobody waits: no head, no list whose
+-- type matters to the RPUSH that makes it).
+local head = nil
+if present == 2 or not current then
+  head = read_key(2, 'first')
 end
+local stored = tonumber(read_key(4, 'counter')) or 0
 
 local now = now_ms()
 if not current then

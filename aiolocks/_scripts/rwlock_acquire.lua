@@ -1,4 +1,4 @@
--- Take the read or the write side (the member's kind); optionally join the FIFO queue.
+-- Take the read or the write side (the member's last field); optionally join the FIFO queue.
 -- KEYS[1] writer STRING   KEYS[2] readers ZSET token -> lease deadline   KEYS[3] queue
 -- KEYS[4] waiters   KEYS[5] fence   KEYS[6] fences HASH reader -> fence
 -- ARGV[1] member "<token>:<ttl_ms>:<tag>:r|w"   ARGV[2] 'wait' | 'try'   ARGV[3] channel
@@ -10,18 +10,18 @@
 -- key's type; the waiters zset is checked before the paths that write it.
 local k = rw_keys()
 local member, mode, channel = ARGV[1], ARGV[2], ARGV[3]
-local token, ttl, tag, kind = split_member(member)
+local token, ttl, tag, side = split_member(member)
 local now = now_ms()
 
 local writer = read_key(1, 'string')
 local head = read_key(3, 'first')
 local counter = tonumber(read_key(5, 'counter')) or 0
-if kind == 'w' and writer == token then  -- already granted (a hand-off not read): re-arm
+if side == 'w' and writer == token then  -- already granted (a hand-off not read): re-arm
   extend_lease({k.writer, k.fence}, ttl)
   return {1, counter}
 end
 local deadline = nil
-if kind == 'r' then
+if side == 'r' then
   deadline = checked(redis.pcall('ZSCORE', k.readers, token), k.readers, 'zset')
 else
   read_key(2, 'zset')
@@ -40,7 +40,7 @@ local grants = {}
 if head then
   rw_readers(k, now)
   rw_fill(k, channel, tag, now, grants)
-  local fence = rw_held(k, token, kind, now)
+  local fence = rw_held(k, token, side, now)
   if fence then  -- it was queued and its turn came
     return {1, fence, unpack(grants)}
   end
@@ -49,7 +49,7 @@ if head then
   counter = nil  -- the grants moved it: read again
 end
 if not head and not writer then
-  if kind == 'r' then
+  if side == 'r' then
     return {1, hold_in_set(k.readers, k.fences, k.fence, token, ttl, now, nil, counter),
             unpack(grants)}
   elseif rw_readers(k, now) == 0 then

@@ -6,7 +6,7 @@
 -- reader: ZSCORE, HDEL, ZREM. Each key's type is checked before anything is written on it.
 local k = rw_keys()
 local member, channel = ARGV[1], ARGV[2]
-local token, _, tag, kind = split_member(member)
+local token, _, tag, side = split_member(member)
 local now = now_ms()
 
 local writer = read_key(1, 'string')
@@ -18,7 +18,7 @@ if head then  -- others may be let in below: every key they touch checked first
   read_key(6, 'hash')
 end
 local held = 0
-if kind == 'w' then
+if side == 'w' then
   if writer == token then
     redis.call('DEL', k.writer)
     held = 1

@@ -6,16 +6,16 @@
 -- Returns the number of leases ended.
 local ended = 0
 for _, key in ipairs(KEYS) do
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'string' then
+  local key_type = redis.call('TYPE', key)['ok']
+  if key_type == 'string' then
     if ARGV[1] == '' or redis.call('GET', key) == ARGV[1] then
       ended = ended + redis.call('DEL', key)
     end
-  elseif kind == 'hash' then
+  elseif key_type == 'hash' then
     if ARGV[1] == '' or redis.call('HGET', key, 'token') == ARGV[1] then
       ended = ended + redis.call('DEL', key)
     end
-  elseif kind == 'zset' then
+  elseif key_type == 'zset' then
     if ARGV[1] == '' then
       ended = ended + redis.call('ZCARD', key)
       redis.call('DEL', key)

@@ -3,7 +3,7 @@
 One `ScriptRunner` per client and event loop (the `ClientContext` is one): it runs scripts
 by EVALSHA (EVAL when the server does not know them), auto-pipelines the calls of one loop
 iteration on one connection (not on Cluster), and keeps the commands it has in flight
-within a bound the client's pool can serve. It knows nothing of locks, waiters or leases,
+within a limit the client's pool can serve. It knows nothing of locks, waiters or leases,
 so everything above it can use it.
 
 The auto-pipeline (the second half of this module): the script calls a client's tasks
@@ -53,7 +53,7 @@ try:
     HIREDIS = True
     # RESP3 pushes (hiredis 3.2+), told apart from replies; without it, RESP2 links only.
     PUSH: tuple[type, ...] = tuple(
-        kind for kind in (getattr(hiredis, "PushNotification", None),) if kind is not None
+        push for push in (getattr(hiredis, "PushNotification", None),) if push is not None
     )
 except ImportError:  # pragma: no cover - a dependency of ours (redis[hiredis])
     HIREDIS = False
@@ -95,7 +95,7 @@ log = logging.getLogger("aiolocks")
 _MAX_IN_FLIGHT = 64
 
 # "0" (or "off", "false", "no") turns auto-pipelining off (see the auto-pipeline, below): every
-# script call then goes on its own pooled connection, within the in-flight bound.
+# script call then goes on its own pooled connection, within the in-flight limit.
 AUTOPIPELINE_ENV = "AIOLOCKS_AUTOPIPELINE"
 
 
@@ -150,7 +150,7 @@ class ScriptRunner:
         self.autopipe: AutoPipeline | None = None
         if not is_cluster(client) and autopipelining():
             self.autopipe = AutoPipeline(self.engine.connection_pool)
-        # On Cluster each node has its own pool; the bound then applies per client. The
+        # On Cluster each node has its own pool; the limit then applies per client. The
         # engine's pool serves the pub/sub connection and the auto-pipeline's one too.
         pool = getattr(self.engine, "connection_pool", None)
         pool_limit = int(getattr(pool, "max_connections", _MAX_IN_FLIGHT + 2))
@@ -268,13 +268,13 @@ class ScriptRunner:
         return reply, int(acked)
 
     async def call(self, *args: Any) -> Any:
-        """Send one plain command within the in-flight bound; bulk replies stay bytes."""
+        """Send one plain command within the in-flight limit; bulk replies stay bytes."""
         await self._ready()
         async with self._slots:
             return await self._execute(*args, **{_adapter.NEVER_DECODE: True})
 
     async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send plain commands in one round trip within the in-flight bound (bytes replies)."""
+        """Send plain commands in one round trip within the in-flight limit (bytes replies)."""
         await self._ready()
         async with self._slots:
             pipe = self.engine.pipeline(transaction=False)

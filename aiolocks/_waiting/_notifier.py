@@ -445,33 +445,38 @@ class Notifier:
                 delay = min(delay * 2, _RETRY_MAX)
                 continue
             if message is not None:
-                kind, name = _as_bytes(message.get("type")), _as_bytes(message.get("channel"))
-                self._dispatch(link, kind, name, _as_bytes(message.get("data")))
+                message_type, name = (
+                    _as_bytes(message.get("type")),
+                    _as_bytes(message.get("channel")),
+                )
+                self._dispatch(link, message_type, name, _as_bytes(message.get("data")))
 
     def _received(self, link: Link, reply: list[Any]) -> None:
         """One reply parsed where it arrived on `link` (`Link.read_directly`): bytes, as
-        [kind, channel, data] (a RESP3 push, or a RESP2 array)."""
+        [message_type, channel, data] (a RESP3 push, or a RESP2 array)."""
         if len(reply) != 3:
             return  # nothing the notifier subscribes to (a pattern's message has 4)
-        kind, name, data = reply
-        if kind == b"smessage" or kind == b"message":
-            self._dispatch(link, kind, name, data)
+        message_type, name, data = reply
+        if message_type == b"smessage" or message_type == b"message":
+            self._dispatch(link, message_type, name, data)
             return
-        if kind == b"sunsubscribe" or kind == b"unsubscribe":
-            _adapter.pubsub_unsubscribed(link.pubsub, kind, name)  # as redis-py's read would
-        self._dispatch(link, kind, name, data)
+        if message_type == b"sunsubscribe" or message_type == b"unsubscribe":
+            _adapter.pubsub_unsubscribed(
+                link.pubsub, message_type, name
+            )  # as redis-py's read would
+        self._dispatch(link, message_type, name, data)
         if not (link.unsubscribing or self._routed(link)):
             link.poke()  # its reader is no longer needed: it ends
 
-    def _dispatch(self, link: Link, kind: bytes, name: bytes, data: Any) -> None:
-        if kind == b"smessage" or kind == b"message":
+    def _dispatch(self, link: Link, message_type: bytes, name: bytes, data: Any) -> None:
+        if message_type == b"smessage" or message_type == b"message":
             if name in self._channels:
                 self.message(name, data)
             elif name in self._by_keyspace and data in _GONE:
                 self.gone(self._by_keyspace[name])
-        elif kind in (b"sunsubscribe", b"unsubscribe") and link.unsubscribed(name):
+        elif message_type in (b"sunsubscribe", b"unsubscribe") and link.unsubscribed(name):
             return  # the confirmation of one of ours
-        elif kind == b"sunsubscribe":
+        elif message_type == b"sunsubscribe":
             channel = self._channels.get(name)
             if channel is not None and channel.link is link and channel.confirmed is not None:
                 # Not asked for (ours come after the channel is forgotten): the server
@@ -481,7 +486,7 @@ class Notifier:
                 channel.confirmed = None
                 if channel.refs > 0:
                     self._spawn(self._follow_slot(channel))
-        elif kind in (b"subscribe", b"ssubscribe"):
+        elif message_type in (b"subscribe", b"ssubscribe"):
             wake = self._by_keyspace.get(name, name)
             channel = self._channels.get(wake)
             if channel is None or wake != name or channel.confirmed is None:

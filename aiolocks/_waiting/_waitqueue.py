@@ -265,16 +265,16 @@ class WaitQueue:
         # Names this client's queue entries on the server (see _prelude.lua).
         self.tag = _clock.token_hex(4)
 
-    def member(self, token: str, ttl_ms: int, kind: str) -> str:
+    def member(self, token: str, ttl_ms: int, side: str) -> str:
         """The queue entry of an acquisition made through this client (see _prelude.lua)."""
-        return f"{token}:{ttl_ms}:{self.tag}:{kind}"
+        return f"{token}:{ttl_ms}:{self.tag}:{side}"
 
     def park(
         self,
         channel: bytes,
         token: str,
         ttl_ms: int,
-        kind: str,
+        side: str,
         shared: bool = False,
         deadline: float | None = None,
     ) -> Waiter:
@@ -283,7 +283,7 @@ class WaitQueue:
         lot = self._lots.get(channel)
         if lot is None:
             lot = self._lots[channel] = Lot(channel, shared)
-        waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, kind), deadline)
+        waiter = Waiter(lot, token, ttl_ms, self.member(token, ttl_ms, side), deadline)
         lot.add(waiter)
         self._by_token[token] = waiter
         return waiter

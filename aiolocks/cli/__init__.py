@@ -1,5 +1,5 @@
 """The `aiolocks` command line: inspect, list and force-release locks on a server, run the
-demo and the benchmarks.
+demo.
 
 Installed as the `aiolocks` script (also `python -m aiolocks.cli`). Tables need `rich`
 (`pip install 'aiolocks[cli]'`); `--json` output needs nothing beyond aiolocks itself.

@@ -1,11 +1,14 @@
-"""`aiolocks demo`: the README's demo with a live table.
+"""`aiolocks demo` (and `python examples/demo.py`): processes increment one Redis counter;
+`RedisMutex` keeps every update.
 
-Worker processes (`_demo_worker`) increment one counter with a deliberately non-atomic
-GET / pause / SET: first without a lock (concurrent updates are lost), then under one
-`RedisMutex`. Meanwhile a live table shows the holder, the queue, hand-offs and fences as
-the server reports them (`inspect`, re-read on a display timer) and hand-offs as they are
-announced (a subscription to the lock's grant channel). The workers are waited for by
-their exit, never by polling. Keys live under a fresh prefix and are deleted at the end.
+Each worker process does K deliberately non-atomic increments: GET the counter, sleep a
+millisecond to widen the race window, SET it to the value read plus one. Run without a
+lock (the first part, `--show-race`), concurrent workers overwrite each other's updates;
+run under one `RedisMutex`, none is lost, and every acquisition gets a fencing token
+larger than all before it. Each acquisition is printed as it happens; the summary checks
+the counter and the fences. The workers are waited for by their exit, never by polling.
+Keys live under a fresh prefix and are deleted at the end. A worker is this module run
+as `python -m aiolocks.cli._demo URL PREFIX ITERATIONS HOLD locked|unlocked WORKER`.
 """
 
 from __future__ import annotations
@@ -13,85 +16,168 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import secrets
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
+from redis.exceptions import RedisError
 
-from .._base import _adapter
 from .._base._embedded import EmbeddedServer, die_with_parent, start_embedded_server
-from .._base._errors import redeliver_cancel
-from .._base._keys import KeySpace
-from .._engine._context import context_for
-from .._scripts import load
+from .._base._errors import LockError
+from ..mutex import RedisMutex
 from ._connect import connected, redacted
-from ._demo_worker import LOCK_NAME, counter_key
 from ._errors import Refused
 from ._io import Streams
 from ._needs import require
-from ._view import SHORT_TOKEN, View, view_of
-
-if TYPE_CHECKING:
-    from rich.console import RenderableType
 
 __all__ = ["run"]
 
-_PUBSUB_MODE = load("pubsub_mode")
-_REFRESH = 0.1  # seconds between two reads of the lock's state for the display
-_READY_TIMEOUT = 30.0  # for every worker process to start and connect
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+LOCK_NAME = "counter"
+LOCK_TTL = 5.0  # seconds; renewed in the background while held
+ACQUIRE_TIMEOUT = 60.0  # a worker that waits longer fails
+READY_TIMEOUT = 30.0  # for every worker process to start and connect
+READY, GO = "READY", "go"
+ACQUIRED = re.compile(
+    r"^worker (?P<worker>\d+)  acquired  fence (?P<fence>\d+)  "
+    r"counter (?P<before>\d+) -> (?P<after>\d+)$"
+)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)  # the workers' aiolocks
 
 
-@dataclass
-class _Progress:
-    """What the workers reported and the grant channel announced."""
+# -- a worker process --------------------------------------------------------------------
 
-    workers: int
-    expected: int
-    tags: dict[str, str] = field(default_factory=dict)  # client tag -> "worker k"
-    tokens: dict[str, str] = field(default_factory=dict)  # holder token -> "worker k"
-    acquisitions: list[tuple[int, int, int]] = field(default_factory=list)  # fence, worker, after
-    per_worker: dict[int, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    handoffs: int = 0
-    last_handoff: tuple[str, str] | None = None  # token, fence
-    started: float = 0.0  # monotonic, when the workers were let go
 
-    def labels(self) -> dict[str, str]:
-        return {**self.tags, **self.tokens}
+def counter_key(prefix: str, locked: bool) -> str:
+    return f"{prefix}:counter:{'locked' if locked else 'unlocked'}"
 
-    def record(self, worker: int, fields: list[str]) -> None:
-        if fields[:1] == ["ready"] and len(fields) == 2:
-            self.tags[fields[1]] = f"worker {worker}"
-        elif fields[:1] == ["acquired"] and len(fields) == 5:
-            fence, token, after = int(fields[1]), fields[2], int(fields[4])
-            self.tokens[token] = f"worker {worker}"
-            self.acquisitions.append((fence, worker, after))
-            self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
-        elif fields[:1] == ["failed"]:
-            self.failures.append(f"worker {worker}: {' '.join(fields[1:])}")
 
-    def handed_off(self, message: bytes) -> None:
-        token, fence, _ = message.decode().split(" ", 2)
-        self.handoffs += 1
-        self.last_handoff = token, fence
+async def increment(client: redis.asyncio.Redis, key: str) -> tuple[int, int]:
+    """The non-atomic read-modify-write the lock has to protect."""
+    before = int(await client.get(key) or 0)
+    await asyncio.sleep(0.001)  # widen the window between the read and the write
+    await client.set(key, before + 1)
+    return before, before + 1
 
-    def describe_last_handoff(self) -> str:
-        if self.last_handoff is None:
-            return "none yet"
-        token, fence = self.last_handoff
-        return f"last to {self.tokens.get(token, token[:SHORT_TOKEN])} (fence {fence})"
+
+async def worker(
+    url: str, prefix: str, iterations: int, hold: float, locked: bool, worker_id: int
+) -> int:
+    client = redis.asyncio.Redis.from_url(url)
+    counter = counter_key(prefix, locked)
+    try:
+        await client.ping()
+        # Start together: processes come up tens of ms apart, longer than a whole run.
+        print(READY, flush=True)
+        if (await asyncio.to_thread(sys.stdin.readline)).strip() != GO:
+            return 2  # the parent went away before the start
+        if not locked:
+            for _ in range(iterations):
+                await increment(client, counter)
+            return 0
+        mutex = RedisMutex(client, LOCK_NAME, ttl=LOCK_TTL, timeout=ACQUIRE_TIMEOUT, prefix=prefix)
+        for _ in range(iterations):
+            async with mutex:
+                before, after = await increment(client, counter)
+                print(
+                    f"worker {worker_id}  acquired  fence {mutex.fencing_token}  "
+                    f"counter {before} -> {after}",
+                    flush=True,
+                )
+                await asyncio.sleep(hold)
+        return 0
+    except (LockError, RedisError) as error:  # a timeout, a lost lease, the server gone
+        print(f"worker {worker_id}  FAILED: {type(error).__name__}: {error}", flush=True)
+        return 1
+    finally:
+        await client.aclose()
+
+
+# -- the parent --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ran:
+    lines: list[str]  # everything the workers printed
+    ok: bool  # every worker exited with status 0 in time
+    seconds: float  # from the start signal until the last worker exited
+
+
+async def run_workers(
+    url: str, prefix: str, args: argparse.Namespace, locked: bool, io: Streams
+) -> Ran:
+    """Run the worker processes, released at the same moment once all are connected; relay
+    their output line by line as it arrives; kill them if still running past the bound."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    argv = [url, prefix, str(args.iterations), str(args.hold), "locked" if locked else "unlocked"]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            __name__,
+            *argv,
+            str(index),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent(),  # killed with this process, however it ends
+            start_new_session=True,  # a Ctrl-C is for this process, which stops them
+        )
+        for index in range(args.workers)
+    ]
+    lines: list[str] = []
+    started = time.monotonic()
+
+    async def relay(proc: asyncio.subprocess.Process, until_ready: bool) -> None:
+        assert proc.stdout is not None
+        while raw := await proc.stdout.readline():
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if until_ready and line == READY:
+                return
+            lines.append(line)
+            io.say(line)
+
+    # Each holding lasts `hold` plus a few round trips; leave a generous margin.
+    bound = args.workers * args.iterations * (args.hold + 0.1) * 2 + READY_TIMEOUT
+    ok = False
+    try:
+        # `asyncio.timeout`, not `wait_for(gather(...))`: a Ctrl-C meanwhile would leave
+        # the gather's CancelledError unretrieved, logged at exit (Python 3.11).
+        async with asyncio.timeout(READY_TIMEOUT):
+            await asyncio.gather(*(relay(proc, True) for proc in procs))
+        started = time.monotonic()
+        for proc in procs:  # all connected (or dead): start them at once
+            assert proc.stdin is not None
+            with suppress(BrokenPipeError, ConnectionResetError):  # its exit code tells
+                proc.stdin.write(f"{GO}\n".encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+        async with asyncio.timeout(bound):
+            await asyncio.gather(*(relay(proc, False) for proc in procs))
+            codes = [await proc.wait() for proc in procs]
+        for index, code in enumerate(codes):
+            if code != 0:
+                io.say(f"worker {index} exited with status {code}")
+        ok = not any(codes)
+    except TimeoutError:
+        io.say(f"the workers did not finish within {bound:g} s: stopped")
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    return Ran(lines, ok, time.monotonic() - started)
 
 
 async def run(args: argparse.Namespace, io: Streams) -> int:
-    require("rich", "cli", "the demo")
     url = args.url or os.environ.get("REDIS_URL")
     server: EmbeddedServer | None = None
     if url is None:
@@ -111,218 +197,63 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
 
 async def _demo(args: argparse.Namespace, url: str, io: Streams) -> int:
     prefix = f"aiolocks-demo:{secrets.token_hex(4)}"  # fresh keys, gone after the run
-    workers, iterations = args.workers, args.iterations
+    n, workers = args.iterations, args.workers
     async with connected(url, args.connect_timeout) as client:
         try:
             if args.show_race:
-                io.say(f"== without a lock: {workers} workers x {iterations} increments ==")
-                progress = _Progress(workers, workers * iterations)
-                await _run_workers(url, prefix, args, False, progress)
+                io.say(f"== without a lock: {workers} workers x {n} increments, all at once ==")
+                await run_workers(url, prefix, args, False, io)
                 got = int(await client.get(counter_key(prefix, False)) or 0)
-                redeliver_cancel(0)
-                lost = progress.expected - got
+                lost = workers * n - got
                 verdict = f"{lost} updates LOST" if lost > 0 else "none lost this time (timing)"
-                io.say(f"   expected {progress.expected}, got {got}: {verdict}\n")
-            io.say(f"== under RedisMutex: {workers} workers x {iterations} increments ==")
-            io.say(f"   (from another terminal: {_inspect_command(url, prefix)})")
-            progress = _Progress(workers, workers * iterations)
-            seconds = await _locked_run(client, url, prefix, args, progress, io)
+                io.say(f"   expected {workers * n}, got {got}: {verdict}\n")
+            io.say(f"== under RedisMutex: {workers} workers x {n} increments, all at once ==")
+            command = ["aiolocks", "inspect", LOCK_NAME, "--prefix", prefix, "--url"]
+            io.say(f"   (from another terminal: {shlex.join([*command, redacted(url)])})")
+            ran = await run_workers(url, prefix, args, True, io)
             got = int(await client.get(counter_key(prefix, True)) or 0)
         finally:
             keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=500)]
             if keys:
                 await client.delete(*keys)
-    ok = _summary(progress, got, seconds, io)
-    if not ok:
+    if not _summary(ran, got, workers, n, io):
         raise Refused("the locked run lost an update or a worker failed (see above)")
     return 0
 
 
-def _inspect_command(url: str, prefix: str) -> str:
-    """The `aiolocks inspect` command for the demo's lock, to paste as printed: with the
-    server's URL (a password shows as `***`, to be typed in by whoever knows it)."""
-    return shlex.join(
-        ["aiolocks", "inspect", LOCK_NAME, "--prefix", prefix, "--url", redacted(url)]
-    )
-
-
-async def _locked_run(
-    client: redis.asyncio.Redis,
-    url: str,
-    prefix: str,
-    args: argparse.Namespace,
-    progress: _Progress,
-    io: Streams,
-) -> float:
-    """Run the workers under the lock with the live table; the seconds they took."""
-    from rich.live import Live
-
-    from ._render import console
-
-    out = console(io.stdout)
-    channel = KeySpace(prefix, "mutex", LOCK_NAME).key("wake")
-    sharded = bool(await context_for(client).run(_PUBSUB_MODE, (), ()))
-    async with _grants(url, channel, sharded, progress.handed_off):
-        redeliver_cancel(0)
-        workers = asyncio.ensure_future(_run_workers(url, prefix, args, True, progress))
-        try:
-            view = await view_of(client, "mutex", LOCK_NAME, prefix)
-            with Live(_screen(view, progress), console=out, refresh_per_second=10) as live:
-                while not workers.done():
-                    await asyncio.wait({workers}, timeout=_REFRESH)  # a display timer only
-                    view = await view_of(client, "mutex", LOCK_NAME, prefix)
-                    redeliver_cancel(0)  # a Ctrl-C that redis-py's wait_for dropped
-                    live.update(_screen(view, progress))
-            out.print()
-            await workers  # its failure, if any
-        finally:
-            if not workers.done():
-                workers.cancel()
-                with suppress(asyncio.CancelledError):
-                    await workers
-    return time.monotonic() - progress.started
-
-
-def _screen(view: View, progress: _Progress) -> RenderableType:
-    from rich.console import Group
-    from rich.table import Table
-
-    from ._render import view_tables
-
-    done = len(progress.acquisitions)
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("acquisitions", f"{done} of {progress.expected}")
-    last_fence = max((fence for fence, _, _ in progress.acquisitions), default=0)
-    head.add_row("last fence", str(last_fence))
-    head.add_row("hand-offs", f"{progress.handoffs}, {progress.describe_last_handoff()}")
-    workers = Table(title="workers", title_justify="left")
-    for column in ("worker", "acquisitions", "client"):
-        workers.add_column(column)
-    by_worker = {label: tag for tag, label in progress.tags.items()}
-    for index in range(progress.workers):
-        label = f"worker {index}"
-        workers.add_row(label, str(progress.per_worker.get(index, 0)), by_worker.get(label, "-"))
-    return Group(head, view_tables(view, progress.labels()), workers)
-
-
-def _summary(progress: _Progress, got: int, seconds: float, io: Streams) -> bool:
-    by_fence = sorted(progress.acquisitions)
-    fences = [fence for fence, _, _ in by_fence]
+def _summary(ran: Ran, got: int, workers: int, iterations: int, io: Streams) -> bool:
+    """Print what the locked run did; whether the counter and the fences came out right."""
+    found = [ACQUIRED.match(line) for line in ran.lines]
+    acquisitions = sorted((int(m["fence"]), int(m["after"])) for m in found if m is not None)
+    fences = [fence for fence, _ in acquisitions]
     distinct = len(set(fences)) == len(fences)
     # Ordered by fence, the holders must have seen the counter rising one by one.
-    in_order = [after for _, _, after in by_fence] == list(range(1, len(by_fence) + 1))
-    exact = got == progress.expected
-    io.say("== summary ==")
-    each = progress.expected // progress.workers
-    io.say(f"   {progress.workers} workers x {each} increments, {seconds:.2f} s")
-    io.say(f"   counter     {got} of {progress.expected}: {'EXACT' if exact else 'WRONG'}")
+    in_order = [after for _, after in acquisitions] == list(range(1, len(acquisitions) + 1))
+    expected = workers * iterations
+    io.say("\n== summary ==")
+    io.say(f"   {workers} workers x {iterations} increments, {ran.seconds:.2f} s once started")
+    io.say(f"   counter     {got} of {expected}: {'EXACT' if got == expected else 'WRONG'}")
     if fences:
         io.say(
             f"   fences      {fences[0]} .. {fences[-1]} over {len(fences)} acquisitions, "
             f"{'all distinct' if distinct else 'DUPLICATES'}, "
             f"{'rising with the counter' if in_order else 'OUT OF STEP with the counter'}"
         )
-    io.say(f"   hand-offs   {progress.handoffs} (each released straight to the next waiter)")
-    for failure in progress.failures:
-        io.say(f"   FAILED      {failure}")
-    complete = len(fences) == progress.expected and not progress.failures
-    return exact and distinct and in_order and complete
+    if not ran.ok:
+        io.say("   some workers FAILED")
+    return got == expected == len(fences) and distinct and in_order and ran.ok
 
 
-async def _run_workers(
-    url: str, prefix: str, args: argparse.Namespace, locked: bool, progress: _Progress
-) -> None:
-    """Start the worker processes, release them together once all are connected, and
-    feed their lines to `progress` until they exit (killed if still running past the
-    bound)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    argv = [url, prefix, str(args.iterations), str(args.hold), "locked" if locked else "unlocked"]
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "aiolocks.cli._demo_worker",
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-            preexec_fn=die_with_parent(),  # killed with this process, however it ends
-            start_new_session=True,  # a Ctrl-C is for this process, which stops them
+def main(argv: Sequence[str] | None = None) -> int:
+    """A worker process: `python -m aiolocks.cli._demo URL PREFIX N HOLD MODE WORKER`."""
+    url, prefix, iterations, hold, mode, index = sys.argv[1:] if argv is None else argv
+    try:
+        return asyncio.run(
+            worker(url, prefix, int(iterations), float(hold), mode == "locked", int(index))
         )
-        for _ in range(args.workers)
-    ]
-
-    async def read(index: int, proc: asyncio.subprocess.Process, until_ready: bool) -> None:
-        assert proc.stdout is not None
-        while raw := await proc.stdout.readline():
-            fields = raw.decode(errors="replace").split()
-            progress.record(index, fields)
-            if until_ready and fields[:1] == ["ready"]:
-                return
-
-    # Each holding lasts `hold` plus a few round trips; leave a generous margin.
-    bound = _READY_TIMEOUT + args.workers * args.iterations * (args.hold + 0.1) * 2
-    try:
-        # `asyncio.timeout`, not `wait_for(gather(...))`: a Ctrl-C meanwhile would leave
-        # the gather's CancelledError unretrieved, logged at exit (Python 3.11).
-        async with asyncio.timeout(_READY_TIMEOUT):
-            await asyncio.gather(*(read(i, proc, True) for i, proc in enumerate(procs)))
-        progress.started = time.monotonic()
-        for proc in procs:
-            assert proc.stdin is not None
-            with suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(b"go\n")
-                await proc.stdin.drain()
-                proc.stdin.close()
-        async with asyncio.timeout(bound):
-            await asyncio.gather(*(read(i, proc, False) for i, proc in enumerate(procs)))
-        for index, proc in enumerate(procs):
-            if await proc.wait() != 0 and not any(
-                failure.startswith(f"worker {index}:") for failure in progress.failures
-            ):
-                progress.failures.append(f"worker {index}: exited with status {proc.returncode}")
-    except TimeoutError:
-        progress.failures.append(f"the workers did not finish within {bound:g} s: stopped")
-    finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    except KeyboardInterrupt:  # a SIGINT sent to it alone
+        return 130
 
 
-@asynccontextmanager
-async def _grants(
-    url: str, channel: bytes, sharded: bool, on_grant: Callable[[bytes], None]
-) -> AsyncIterator[None]:
-    """Call `on_grant` for every grant announced on `channel` while inside."""
-    listener = redis.asyncio.Redis.from_url(url)  # no socket timeout: it waits for messages
-    pubsub: Any = listener.pubsub()  # redis-py leaves some of PubSub untyped
-    try:
-        if sharded:
-            await _adapter.ssubscribe(pubsub, channel)  # by hand before redis-py 8.0
-        else:
-            await pubsub.subscribe(channel)
-        # Wait (bounded) for the confirmation, so that no early hand-off goes unseen.
-        await asyncio.wait_for(pubsub.get_message(timeout=None), 5.0)
-
-        async def listen() -> None:
-            # get_message, not listen(): before redis-py 8.0 a hand-sent SSUBSCRIBE is not
-            # among the channels listen() counts, and it would stop at once.
-            while True:
-                message = await pubsub.get_message(timeout=None)
-                if message is not None and message["type"] in ("message", "smessage"):
-                    on_grant(message["data"])
-
-        task = asyncio.ensure_future(listen())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-    finally:
-        await pubsub.aclose()
-        await listener.aclose()
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,10 +43,10 @@ async def run(args: argparse.Namespace, io: Streams) -> int:
 
 
 async def _inspect_all(client: redis.asyncio.Redis, found: list[Found], prefix: str) -> list[Info]:
-    bound = asyncio.Semaphore(_CONCURRENCY)
+    at_once = asyncio.Semaphore(_CONCURRENCY)
 
     async def one(primitive: Found) -> Info:
-        async with bound:
+        async with at_once:
             return await info_of(client, primitive.kind, primitive.name, prefix)
 
     return list(await asyncio.gather(*(one(primitive) for primitive in found)))

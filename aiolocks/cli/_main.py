@@ -24,14 +24,13 @@ EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 Command = Callable[[argparse.Namespace, Streams], Coroutine[Any, Any, int]]
 
 
-# Each command's module, imported on use: `--help` needs none, `bench` no Redis client.
+# Each command's module, imported on use: `--help` needs none.
 _MODULES = {
     "inspect": "_inspect",
     "list": "_list",
     "release": "_release",
     "demo": "_demo",
     "run": "_run",
-    "bench": "_bench",
     "server": "_server",
 }
 

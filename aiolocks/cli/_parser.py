@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 from .. import __version__
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
@@ -13,10 +15,12 @@ from ._scan import KINDS, LOCK_KINDS
 
 __all__ = ["build_parser"]
 
+T = TypeVar("T", int, float)
+
 _DESCRIPTION = """\
 Look at and manage aiolocks' locks on a Redis or Valkey server: inspect one, list them
 (SCAN, never KEYS), force-release a stuck one (its waiters are woken), run a command while
-holding one, run the demo or the benchmarks; or run a local server to try aiolocks on.
+holding one, run the demo; or run a local server to try aiolocks on.
 Works with a single server (or a Sentinel-managed primary by its address), not a Redis
 Cluster.
 
@@ -38,44 +42,31 @@ def _prefix(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+def _number(
+    cast: Callable[[str], T], noun: str, ok: Callable[[T], bool], bound: str
+) -> Callable[[str], T]:
+    """An argparse type: the text read by `cast` (else "not {noun}"), kept if `ok`."""
+
+    def parse(text: str) -> T:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seconds_or_zero(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {value}")
-    return value
+_seconds = _number(
+    float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0"
+)
+_seconds_or_zero = _number(
+    float, "a number of seconds", lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0"
+)
+_positive = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
+_port = _number(int, "a port number", lambda v: 1 <= v <= 65535, "a port from 1 to 65535")
 
 
 def _server_options(url_help: str) -> argparse.ArgumentParser:
@@ -172,11 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "from aiolocks[server])"
             )
         ],
-        help="worker processes incrementing a counter under one RedisMutex, shown live",
-        description="The README's demo: worker processes increment a shared counter, first "
-        "without a lock (updates are lost), then under one RedisMutex, with a live table of "
-        "the holder, the queue, hand-offs and fences read from the server. Exits 1 if an "
-        "update is lost under the lock.",
+        help="worker processes incrementing a counter under one RedisMutex",
+        description="The README's demo (examples/demo.py): worker processes increment a "
+        "shared counter, first without a lock (updates are lost), then under one RedisMutex, "
+        "each acquisition printed with its fence. Exits 1 if an update is lost under the lock.",
     )
     demo.add_argument("--workers", type=_positive, default=4, help="processes (default 4)")
     demo.add_argument(
@@ -232,28 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a lost lease, SIGKILL this long after SIGTERM (default 10)",
     )
     run.add_argument("cmd", nargs="*", metavar="-- CMD [ARGS...]")
-
-    bench = commands.add_parser(
-        "bench",
-        help="run a benchmark from benchmarks/ (needs a source checkout)",
-        description="Run one of the benchmarks of the source checkout (benchmarks/ is not "
-        "installed with the package): quick by default, on its own embedded Valkey, its JSON "
-        "written to a temporary file unless --json.",
-    )
-    bench.add_argument(
-        "which",
-        nargs="?",
-        default="mutex",
-        choices=("mutex", "primitives", "peers"),
-        help="bench_<which>.py (default mutex)",
-    )
-    bench.add_argument("--full", action="store_true", help="the full run instead of --quick")
-    bench.add_argument("--json", metavar="PATH", help="where the benchmark writes its JSON")
-    bench.add_argument(
-        "--url",
-        help="benchmark this server instead of an embedded one: it is FLUSHALLed (asks first)",
-    )
-    bench.add_argument("--yes", "-y", action="store_true", help="do not ask before FLUSHALL")
 
     server = commands.add_parser(
         "server",

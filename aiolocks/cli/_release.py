@@ -102,7 +102,7 @@ async def _release(client: redis.asyncio.Redis, view: View, holder: Holder, io: 
     """Release `holder` through the release script; report it and every grant it made."""
     spec = _spec(client, view, holder.side)
     context = context_for(client)
-    member = context.waitqueue.member(holder.token, 1, spec.kind)
+    member = context.waitqueue.member(holder.token, 1, spec.side)
     # No retry: run twice, the script would find the next holder and say "not held".
     reply = ReleaseReply.decode(
         await context.run(spec.release, spec.keys, (member, spec.channel, *spec.args), retry=False)

@@ -98,10 +98,8 @@ def _facts(info: Info) -> list[tuple[str, str]]:
     return [("names", str(info.names))]
 
 
-def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableType:
-    """The summary, the holders and the queue of one primitive. `labels` names tokens and
-    client tags (the demo's workers)."""
-    labels = labels or {}
+def view_tables(view: View) -> RenderableType:
+    """The summary, the holders and the queue of one primitive."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -128,7 +126,7 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
         side += [holder.value or ""] if valued else []
         fence = "-" if holder.fence is None else str(holder.fence)
         holders.add_row(
-            _named(holder.token, labels), *side, fence, duration(holder.lease_remaining_ms)
+            holder.token[:SHORT_TOKEN], *side, fence, duration(holder.lease_remaining_ms)
         )
     if not view.holders:
         holders.add_row("(none)", *[""] * (len(holders.columns) - 1))
@@ -150,9 +148,9 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
         seen = waiter.heartbeat_age_ms
         queue.add_row(
             str(waiter.position),
-            _named(waiter.token, labels),
+            waiter.token[:SHORT_TOKEN],
             *side,
-            labels.get(waiter.client_tag, waiter.client_tag),
+            waiter.client_tag,
             "-" if seen is None else f"{duration(max(seen, 1))} ago",
             f"in {duration(waiter.expires_in_ms)}" if waiter.live else "dead",
         )
@@ -160,12 +158,6 @@ def view_tables(view: View, labels: dict[str, str] | None = None) -> RenderableT
         queue.add_row("", "(empty)", *[""] * (len(queue.columns) - 2))
     parts.append(queue)
     return Group(*parts)
-
-
-def _named(token: str, labels: dict[str, str]) -> str:
-    label = labels.get(token)
-    short = token[:SHORT_TOKEN]
-    return short if label is None else f"{short} ({label})"
 
 
 def list_table(rows: Sequence[tuple[str, Info]], match: str) -> RenderableType:

@@ -3,7 +3,7 @@
 A request holds its lock like the body of `async with`: a lost lease cancels the work
 and is reported. Whatever the request cannot have (busy, lost, Redis down, a bad name)
 becomes a `Refusal` carrying an HTTP status and a JSON body; each framework turns it into
-its own kind of response.
+its own response type.
 """
 
 from __future__ import annotations

@@ -9,24 +9,33 @@ time: nothing is released after the handler.
 tenant's plan). A name keeps one set of limits while it is live: a request whose limits
 differ from the name's live ones is answered 500 `limit_mismatch` (so each set of limits
 needs its own names, e.g. the tenant in the name).
+
+A policy builds one `RedisRateLimiter` per client, name and limits and reuses it for the
+requests that follow (the most recently used `KEPT_LIMITERS` of each client), as long as it
+uses the policy's limits: one that adopted limits stored by `set_limits()` is replaced by a
+new one at its next request, which is what a limiter made per request would have done.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from .._base._clients import ensure_async_client
+from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import AccessDenied, LimitMismatch, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import validate_timeout
 from ..ratelimit import MAX_BURST, Limit, RedisRateLimiter, validate_cost, validate_limits
 from ._hold import Refusal, retry_after, status_code
 
-__all__ = ["LimitOptions", "LimitPolicy", "Limits", "LimitsFunction", "Permit"]
+__all__ = ["KEPT_LIMITERS", "LimitOptions", "LimitPolicy", "Limits", "LimitsFunction", "Permit"]
+
+# Limiters a policy keeps per client for reuse, the most recently used (names may be many).
+KEPT_LIMITERS = 1024
 
 Limits = Limit | Sequence[Limit]
 # A function of the request (sync or async) returning the request's limit(s).
@@ -68,6 +77,10 @@ class LimitPolicy:
     timeout: float | None = 0.0  # 0: refuse at once; t: wait up to t s for the slot
     prefix: str = DEFAULT_PREFIX
     busy_status: int = 429
+    # client -> {(name, limits): its limiter}, least recently used first
+    _limiters: weakref.WeakKeyDictionary[
+        AnyRedis, dict[tuple[str, tuple[Limit, ...] | None], RedisRateLimiter]
+    ] = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Fail when the app is built, not on its first request.
@@ -89,22 +102,10 @@ class LimitPolicy:
         """Take the permits of `name` (waiting up to `timeout`), then run the body; raise
         `Refusal` if they cannot be had in time."""
         client = ensure_async_client(client)
-        try:
-            validate_name(name, "rate limit name")
-        except ValueError as exc:
-            raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
         limits = self.limits
         if callable(limits):
             limits = await _limits_of(limits, request, self.cost)
-        limiter = RedisRateLimiter(
-            client,
-            name,
-            rate=self.rate,
-            per=self.per,
-            burst=self.burst,
-            limits=limits,
-            prefix=self.prefix,
-        )
+        limiter = self._limiter(client, name, None if limits is None else tuple(limits))
         try:
             wait = await limiter._acquire(True, self.timeout, self.cost)
         except (ServerUnavailable, AccessDenied) as exc:
@@ -119,6 +120,35 @@ class LimitPolicy:
             message = f"{name!r} allows {allows}; no slot free{waited}: the next is in {wait:.3f} s"
             raise Refusal(self.busy_status, "rate_limited", name, message, retry_after(wait))
         yield Permit(name, self.cost, limiter)
+
+    def _limiter(
+        self, client: AnyRedis, name: str, limits: tuple[Limit, ...] | None
+    ) -> RedisRateLimiter:
+        """The limiter of `name` with `limits` on `client`: the one built for an earlier
+        request, while it still uses the policy's limits, else a new one."""
+        kept = self._limiters.get(client)
+        if kept is None:
+            kept = self._limiters[client] = {}
+        key = (name, limits)
+        limiter = kept.pop(key, None)  # (put back last: the most recently used)
+        if limiter is None or limiter._stamp:  # (_stamp: it adopted stored limits)
+            try:
+                validate_name(name, "rate limit name")
+            except ValueError as exc:
+                raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
+            limiter = RedisRateLimiter(
+                client,
+                name,
+                rate=self.rate,
+                per=self.per,
+                burst=self.burst,
+                limits=limits,
+                prefix=self.prefix,
+            )
+        kept[key] = limiter
+        if len(kept) > KEPT_LIMITERS:
+            del kept[next(iter(kept))]
+        return limiter
 
 
 async def _limits_of(function: LimitsFunction, request: object, cost: int) -> tuple[Limit, ...]:

@@ -270,7 +270,7 @@ def permit(request: web.Request) -> Permit:
 
 def _template_function(template: NameTemplate, query: Collection[str]) -> NameFunction:
     if isinstance(query, str):
-        raise TypeError("query must be a collection of field names, such as ('kind',)")
+        raise TypeError("query must be a collection of field names, such as ('day',)")
     asked = frozenset(query)
     if not asked <= set(template.fields):
         unknown = ", ".join(sorted(asked - set(template.fields)))

@@ -127,9 +127,9 @@ def _recipe(client: SyncClient) -> tuple[Hashable, Callable[[], AnyRedis]]:
 
 
 def _key(
-    client: object, library: str, kind: str, nodes: tuple[Any, ...], options: dict[str, Any]
+    client: object, library: str, connection: str, nodes: tuple[Any, ...], options: dict[str, Any]
 ) -> Hashable:
-    key = (library, kind, nodes, tuple(sorted(options.items())))
+    key = (library, connection, nodes, tuple(sorted(options.items())))
     try:
         hash(key)
     except TypeError:  # a setting that cannot be compared: this client's own

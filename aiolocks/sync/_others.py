@@ -22,7 +22,7 @@ _REGISTRY = inspect.signature(AsyncRegistry).parameters
 @final
 class RedisRateLimiter:
     """`aiolocks.RedisRateLimiter` for threads: the same GCRA state, so threads and tasks
-    share one bound. `with limiter:` waits for a permit (no polling)."""
+    share one limit. `with limiter:` waits for a permit (no polling)."""
 
     def __init__(
         self,

@@ -326,36 +326,6 @@ def _bus_messages(nodes: list[dict[str, Any]]) -> int:
     )
 
 
-def _mutex(data: dict[str, Any]) -> str:
-    labels: dict[str, str] = data["libraries"]
-    results = data["results"]
-    rows = []
-    for lib, label in labels.items():
-        alone = results["uncontended"].get(lib, {})
-        busy = results["contended"].get(lib, {})
-        rows.append(
-            (
-                label,
-                _num(alone.get("cycles_per_s")),
-                _num(alone.get("latency_ms", {}).get("median"), 3),
-                _num(busy.get("acquisitions_per_s")),
-                _num(busy.get("wait_ms", {}).get("p99"), 1),
-                _num(busy.get("client_lock_commands_per_acquisition"), 2),
-                _num(100 * busy.get("regrab_share", 0), 1) + "%",
-            )
-        )
-    header = (
-        "library",
-        "uncontended cycles/s",
-        "cycle median ms",
-        "contended acq/s",
-        "wait p99 ms",
-        "commands/acq",
-        "re-grabs",
-    )
-    return _machine(data) + "\n\n" + _table(header, rows)
-
-
 def _telemetry(data: dict[str, Any]) -> str:
     modes = list(data["modes"])
     rows = []
@@ -368,28 +338,6 @@ def _telemetry(data: dict[str, Any]) -> str:
             cells = [f"{_num(row[figure][m])} ({_times(row[ratio][m])})" for m in modes]
             rows.append((f"{workload}, {label}", *cells))
     return "\n\n".join([_machine(data), _table(("median of rounds", *modes), rows)])
-
-
-def _autopipe(data: dict[str, Any]) -> str:
-    modes = list(data["modes"])
-    rows = []
-    for workload, by_mode in data["results"].items():
-        for figure, label, digits in (
-            ("per_s", "per second", 0),
-            ("client_cpu_ms_per_op", "client CPU ms per op", 3),
-            ("connections_opened", "connections opened", 0),
-        ):
-            cells = [_num((by_mode.get(mode) or {}).get(figure), digits) for mode in modes]
-            if any(cell != "-" for cell in cells):
-                rows.append((f"{workload}, {label}", *cells))
-    ratios = ", ".join(f"{w} {_times(x)}" for w, x in data["on_vs_off"].items())
-    return "\n\n".join(
-        [
-            _machine(data),
-            _table(("median of rounds", *modes), rows),
-            f"On ÷ off throughput: {ratios}. {data['decision']}",
-        ]
-    )
 
 
 def _optimizations(data: dict[str, Any]) -> str:
@@ -535,29 +483,6 @@ def _scale_calls(data: dict[str, Any]) -> str:
     return "\n\n".join([_machine(data), _table(header, rows)])
 
 
-def _expiry(data: dict[str, Any]) -> str:
-    runs = {
-        "Redis 7.0, before (fences and limits never expired)": "redis_before",
-        "Redis 7.0, after": "redis_after",
-        "Valkey, after": "valkey_after",
-    }
-    rows = [
-        (
-            label,
-            row["kind"],
-            _num(row["names"]),
-            _num(row["after_release"]["keys"]),
-            _num(row["after_release"]["memory_bytes"] / 1e6, 2),
-            _num(row["after_idle_window"]["keys"]),
-            _num(row["after_idle_window"]["memory_bytes"] / 1e6, 2),
-        )
-        for label, key in runs.items()
-        for row in data.get(key, [])
-    ]
-    header = ("run", "kind", "names", "keys after", "MB after", "keys idle", "MB idle")
-    return _table(header, rows)
-
-
 def _default_mutex(data: dict[str, Any]) -> str:
     """bench_peers.py --runs 3 over the acquire loops: the first run's figures per library,
     then every target with what each run measured."""
@@ -619,7 +544,7 @@ def _default_mutex(data: dict[str, Any]) -> str:
 
 
 def _cost(data: dict[str, Any]) -> str:
-    """bench_cost.py: its own table (rendered by the benchmark), then issue 32's targets."""
+    """bench_cost.py: its own table (rendered by the benchmark), then the targets it checked."""
     rows = [
         (
             column,
@@ -699,21 +624,15 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "sync": _sync,
     "cost": _cost,
     "default_mutex": _default_mutex,
-    "expiry": _expiry,
     "scale": _scale,
-    "scale_before": _scale,
     "scale_burst": _scale_burst,
-    "scale_burst_gc_off": _scale_burst,
-    "scale_burst_slim": _scale_burst,
     "scale_calls": _scale_calls,
     "peers": _peers,
-    "mutex": _mutex,
     "primitives": _primitives,
     "registry": _registry,
     "ratelimit": _ratelimit,
     "cluster": _cluster,
     "telemetry": _telemetry,
-    "autopipe": _autopipe,
     "optimizations": _optimizations,
     "local_handoff": _peers,  # bench_peers.py --only contended,processes: the same layout
     "uvloop": _peers,  # bench_peers.py --only ...,processes, with the uvloop rows

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from ._coverage import measure_child
 from ._world import Result
 
 
@@ -120,6 +121,7 @@ def _forked(play: Callable[[], Result], what: str, seed: int) -> Result:
         os.close(read)
         _die_with_parent()
         code = 0
+        save = measure_child()  # (`python -m tests.sim.branches`: os._exit skips its save)
         try:
             data = pickle.dumps(play())
             with os.fdopen(write, "wb") as out:
@@ -127,7 +129,11 @@ def _forked(play: Callable[[], Result], what: str, seed: int) -> Result:
         except BaseException:
             code = 1
         finally:
-            os._exit(code)
+            try:
+                if save is not None:
+                    save()
+            finally:
+                os._exit(code)
     os.close(write)
     with os.fdopen(read, "rb") as source:
         data = source.read()

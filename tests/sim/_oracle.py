@@ -21,6 +21,14 @@ simulator saw the granting or renewing request written on its connection:
 - **LATE LOSS (server)**: a holder is told of its loss (or has released) by the end of the
   validity computed here plus the documented bound; `_workload` checks that the body of
   `async with` is cancelled and `LockLost` raised.
+- **EXTRA WAIT**: a waiter elsewhere waits, beyond strict FIFO, for at most `local_handoff`
+  local holdings of a cohort and at most 10 ms of them, plus the holding under way then
+  (docs/mutex.md, "Fairness"). From the server's record of each name (`Tenure`: a token's
+  owner key, from its grant or its last `keep` to the next change of owner or fence
+  block) and the holdings the simulator saw begin, on its own clock: once another
+  token's live entry is in the queue, no holding of the cohort's token begins more than
+  10 ms after its chain came from Redis (the `keep` on the server, or the first holding
+  of a grant), nor after a holding of 10 ms, nor past the count.
 
 Excused, each where it is checked: a restart without persistence (`_restart_excuse`: a
 belief from before it lasts until the holder's next renewal tells it, ttl/3 after). The
@@ -58,6 +66,12 @@ LEASE_KEYS = {
     "election": ("election", "leader"),
 }
 _LEASE_PARTS = tuple(f":{part}".encode() for _, part in set(LEASE_KEYS.values()))
+# The fairness bound docs/mutex.md states: a cohort passes the name on locally only while
+# it has stayed in the process less than this since it came from Redis, and not after a
+# holding this long (plus the count, `local_handoff`, read from its token's `+N` block).
+FAIR_TIME = 0.010
+FAIR_SLACK = 0.001  # a pass's holder runs its first step after the releaser's
+_MUTEX = b"aiolocks:mutex:{"
 
 
 def validity(sent: float, ttl: float) -> float:
@@ -79,6 +93,21 @@ class Extension:
     lease: float  # seconds of lease it gave, on the server's clock
 
 
+@dataclass
+class Tenure:
+    """A token owned a mutex name on the server: from a grant (or a cohort's `keep`, a new
+    fence block for the same token) to the next change of owner or block."""
+
+    name: str
+    token: str
+    fence: int | None
+    start: float  # loop time the server ran the grant or keep
+    kept: bool  # began with a `keep` (the same token's next block)
+    deadline: float  # loop time its owner key ends, as last seen
+    waited: float | None = None  # first seen with another token's live entry queued
+    end: float = float("inf")
+
+
 class Oracle:
     """Watches the server (`Net.observer`) and the holders (`World`)."""
 
@@ -91,6 +120,8 @@ class Oracle:
         self.live: list[Hold] = []
         self.by_lease: dict[int, list[Hold]] = {}
         self.reported: set[tuple[Any, str]] = set()
+        self.tenure: dict[str, Tenure] = {}  # each mutex name's current owner
+        self.tenures: list[Tenure] = []  # ended
 
     # -- the server's state ------------------------------------------------------------
 
@@ -164,7 +195,40 @@ class Oracle:
         for key in _keys_of(fields):
             if key.endswith(b":fence"):
                 self._check_fence(key)
+            elif key.startswith(_MUTEX) and key.endswith(b":owner"):
+                self._track_tenure(key[len(_MUTEX) : -len(b"}:owner")].decode())
         self.step(f"after {fields[0].decode(errors='replace')}")
+
+    def _track_tenure(self, name: str) -> None:
+        """After a command on mutex `name`: who owns it, with which fence block, and whether
+        another token waits live in its queue (`Tenure`)."""
+        now = self.world.loop.time()
+        prefix = _MUTEX + name.encode() + b"}:"
+        server_now = self.net.server_time()
+        owners = self.holders(prefix + b"owner")
+        token, deadline = next(iter(owners.items()), (None, 0.0))
+        fence = self._fence(prefix + b"fence")
+        current = self.tenure.get(name)
+        if current is not None and (token != current.token or fence != current.fence):
+            current.end = min(now, current.deadline)
+            self.tenures.append(self.tenure.pop(name))
+        if token is None:
+            return
+        if current is None or current.end != float("inf"):
+            kept = current is not None and current.token == token and current.end >= now
+            current = self.tenure[name] = Tenure(name, token, fence, now, kept, now)
+        current.deadline = now + (deadline - server_now)
+        if current.waited is None and self._queued_other(prefix, token):
+            current.waited = now
+
+    def _queued_other(self, prefix: bytes, token: str) -> bool:
+        """Whether another token than `token` has a live entry in the name's queue."""
+        zset = self.net.value(prefix + b"waiters")
+        now_ms = self.net.now_ms()
+        return any(
+            score >= now_ms and member.split(b":")[0].decode() != token
+            for score, member in getattr(zset, "_byscore", ())
+        )
 
     def _check_grantee(self, key: bytes, token: str, owner: Proc | None, ttl: float) -> None:
         """A dead process's queue entries outlive its last heartbeat by their ttl (the
@@ -354,6 +418,53 @@ class Oracle:
                 f"LATE LOSS (server) {_who(hold)} {hold.names}: its last renewal on the "
                 f"server ran out at {end - 1000:.4f}; told of the loss {late}"
             )
+
+    def check_fairness(self, end_of_run: float) -> None:
+        """EXTRA WAIT: while another token waited in a name's queue, a cohort's token passed
+        it on locally only within the stated bound (see the module's docstring)."""
+        for tenure in self.tenures + list(self.tenure.values()):
+            if "+" not in tenure.token or tenure.waited is None:
+                continue  # not a cohort's, or nobody else waited meanwhile
+            end = min(tenure.end, end_of_run)
+            holds = sorted(
+                (
+                    h
+                    for h in self.world.holds
+                    if h.token == tenure.token
+                    and tenure.name in h.names
+                    and tenure.start <= h.start <= end
+                ),
+                key=lambda h: h.start,
+            )
+            if not holds or any(h.adopted or h.detached for h in holds):
+                continue  # (a lease handed over is the adopter's, not the cohort's)
+            count = int(tenure.token.rsplit("+", 1)[1]) - 1  # its block: local_handoff + 1
+            came = tenure.start if tenure.kept else holds[0].start
+            for i, hold in enumerate(holds[1:], 1):
+                if hold.start <= tenure.waited:
+                    continue
+                proc = hold.proc
+                chain = hold.start - came - proc.stalled_between(came, hold.start)
+                after = holds[i - 1]
+                held = hold.start - after.start - proc.stalled_between(after.start, hold.start)
+                why = ""
+                if i > count:
+                    why = f"the {i + 1}th holding in a row (local_handoff={count})"
+                elif chain > FAIR_TIME + FAIR_SLACK:
+                    why = f"{chain * 1000:.1f} ms after the name came from Redis"
+                elif held > FAIR_TIME + FAIR_SLACK:
+                    why = f"after a holding of {held * 1000:.1f} ms"
+                if why:
+                    waited = end - tenure.waited
+                    self.violation(
+                        (tenure.token, f"fair {tenure.name}"),
+                        f"EXTRA WAIT on {tenure.name!r}: {_who(hold)} was passed it locally at "
+                        f"{hold.start - 1000:.4f}, {why}, while another waited in the queue "
+                        f"since {tenure.waited - 1000:.4f} ({waited:.3f} s until the cohort "
+                        f"let go; bound: {FAIR_TIME * 1000:g} ms of local holdings, at most "
+                        f"{count}, plus the one under way)",
+                    )
+                    break
 
 
 def _keys_of(fields: list[bytes]) -> list[bytes]:

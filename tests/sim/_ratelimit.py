@@ -5,7 +5,7 @@ resets, loop stalls, a crash, a restart), and checks each against the guarantee.
 
 The oracle stands on the server and the simulator's clock: each reservation's reply gives
 its slot on the server's clock (the loop's virtual time), and for every acquisition that
-returned True, (1) the slots of all grants satisfy the bound (at most burst + rate x t /
+returned True, (1) the slots of all grants satisfy the limit (at most burst + rate x t /
 per permits in any interval t) and (2) it returned no earlier than its slot. A restart of
 the server without persistence forgets the state (a new burst may follow at once): windows
 are counted on each side of a restart separately. At the end, nothing may be left (the
@@ -74,7 +74,7 @@ class LimiterRun(Run):
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 world.violate(f"task {task.get_name()} failed: {task.exception()!r}")
-        self.check_bound()
+        self.check_limit()
         await world.settle(2.0)
 
     async def user(self, proc: Proc, worker: int) -> None:
@@ -120,7 +120,7 @@ class LimiterRun(Run):
             early = (slot - returned_us) / 1000
             self.world.violate(f"{who}: granted {early:.3f} ms before its slot on the server")
 
-    def check_bound(self) -> None:
+    def check_limit(self) -> None:
         """The grants' slots, in every window, on each side of every restart."""
         restarts = sorted((EPOCH + at) * 1e6 for at in self.world.net.restarts)
         interval = -(-self.per * 1e6 // self.rate)  # µs per permit, rounded up as the limiter
@@ -138,11 +138,11 @@ class LimiterRun(Run):
                 for window in (0.0, interval, 5 * interval, self.per * 1e6, 3 * self.per * 1e6):
                     last = bisect.bisect_right(slots, start + window)
                     permits = costs[last] - costs[first]
-                    bound = self.burst + window / interval
-                    if permits > bound:
+                    allowed = self.burst + window / interval
+                    if permits > allowed:
                         self.world.violate(
                             f"BOUND {permits} permits in {window / 1e3:.1f} ms from slot "
-                            f"{start}, above {bound:.2f}"
+                            f"{start}, above {allowed:.2f}"
                         )
                         return
 
@@ -172,7 +172,7 @@ def run_seed(seed: int, duration: float = DURATION) -> Result:
 
 
 def ratelimit_faults() -> Result:
-    """RedisRateLimiter under every fault: grants within the bound, never before the slot."""
+    """RedisRateLimiter under every fault: grants within the limit, never before the slot."""
     results = [run_seed(seed) for seed in SEEDS]
     combined = Result(0)
     combined.violations = [f"seed {r.seed}: {line}" for r in results for line in r.violations]

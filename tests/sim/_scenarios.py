@@ -643,3 +643,182 @@ def _end_loop(scene: Scene, proc: Proc, ended: asyncio.Future[None], _: object) 
         ended.set_result(None)
 
     scene.start(proc, finish(), "loop end")
+
+
+@scenario
+async def cohort_at_its_bound_while_another_waits(scene: Scene) -> None:
+    """Issue 45: P's three tasks pass the default mutex (a cohort) among themselves in 3 ms
+    holdings while Q (strict FIFO) queues on the server: once the lease has stayed 10 ms
+    in P, P's release asks to keep it, and the script hands it to Q instead (no CI seed
+    reached that path). Q's extra wait is checked against the stated bound (EXTRA WAIT),
+    and then P2's count bound (local_handoff=2, 1 ms holdings) the same way."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    scene.run.strict = set()  # (a cohort's token owns the name between its local holders)
+    granted: list[float] = []
+
+    async def local(lock: RedisMutex, who: str, hold_for: float) -> None:
+        for _ in range(4):
+            hold = await scene.acquire(p, lock, who, timeout=5)
+            await asyncio.sleep(hold_for)
+            await scene.release(p, lock, hold, who)
+
+    async def remote(who: str, at: float) -> None:
+        await asyncio.sleep(at)
+        lock = RedisMutex(clients[q], "m", ttl=1.0, local_handoff=0)
+        hold = await scene.acquire(q, lock, who, timeout=5)
+        granted.append(scene.at())
+        await asyncio.sleep(0.005)
+        await scene.release(q, lock, hold, who)
+
+    default = RedisMutex(clients[p], "m", ttl=1.0)
+    tasks = [scene.start(p, local(default, f"P{i}", 0.003), f"P{i}") for i in range(3)]
+    tasks.append(scene.start(q, remote("Q1", 0.004), "Q1"))
+    await asyncio.wait(tasks, timeout=10)
+    counted = RedisMutex(clients[p], "m", ttl=1.0, local_handoff=2)
+    tasks = [scene.start(p, local(counted, f"C{i}", 0.001), f"C{i}") for i in range(3)]
+    tasks.append(scene.start(q, remote("Q2", 0.002), "Q2"))
+    await asyncio.wait(tasks, timeout=10)
+    if len(granted) != 2:
+        scene.world.violate(f"Q was granted {len(granted)} of its 2 acquisitions")
+
+
+@scenario
+async def cohort_keeps_past_its_renewal(scene: Scene) -> None:
+    """Issue 45: P1 holds the cohort's lease 0.2 s (past the 10 ms bound) while P2 waits
+    in P and nobody elsewhere: its release keeps the lease (a fresh lease and fence block,
+    no CI seed reached it), and P2 holds the kept lease 1.5 s, past the old lease's
+    renewal time and its validity: the keeper must renew the kept lease from the keep's
+    request (VALIDITY, OWNERLESS BELIEF, LATE LOSS); then Q takes the name."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    scene.run.strict = set()
+    lock = RedisMutex(clients[p], "m", ttl=1.0, local_handoff=1)
+
+    async def holder(who: str, hold_for: float) -> None:
+        hold = await scene.acquire(p, lock, who, timeout=5)
+        await asyncio.sleep(hold_for)
+        await scene.release(p, lock, hold, who)
+
+    async def other() -> None:
+        await asyncio.sleep(1.0)
+        other_lock = RedisMutex(clients[q], "m", ttl=1.0)
+        hold = await scene.acquire(q, other_lock, "Q", timeout=5)
+        if hold is None or hold.start < 1001.7:
+            scene.world.violate(f"Q: not granted the name after P2's release ({hold})")
+        await scene.release(q, other_lock, hold, "Q")
+
+    scene.start(p, holder("P1", 0.2), "P1")
+    scene.start(p, holder("P2", 1.5), "P2")
+    scene.start(q, other(), "Q")
+    await asyncio.sleep(5)
+
+
+@scenario
+async def cohort_pass_at_the_drift_margin(scene: Scene) -> None:
+    """The drift margin: P's link is slow (0.49 s each way), so its grant's reply comes
+    0.985 s after the request: the lease's validity (counted from the request: 0.988 s)
+    ends 3 ms into the cohort's chain, while the server's lease (counted from when it ran)
+    has 0.5 s left. P1 releases 4 ms after it heard of the grant, with P2 waiting in P:
+    within the 10 ms bound, but the lease has lapsed, so it must not be passed locally
+    (P2 would be told it holds a lease already over, and P1 not told of its loss)."""
+    p = scene.proc("P")
+    net = scene.world.net
+    scene.run.strict = set()
+    lock = RedisMutex(scene.world.clients[p], "m", ttl=1.0, local_handoff=2)
+    connect = net.connect
+
+    async def slow_link(proc: Proc, pubsub_hint: bool = False) -> Any:
+        conn = await connect(proc, pubsub_hint)
+        conn.latency, conn.jitter = 0.4925, 0.0
+        net.log(f"{proc.name} c{conn.id} LATENCY {conn.latency}")
+        return conn
+
+    async def warm_up() -> None:  # (connections open, scripts loaded: one round trip each)
+        await scene.release(p, lock, await scene.acquire(p, lock, "P0"), "P0")
+
+    await scene.start(p, warm_up(), "P0")
+    for conn in net.conns:
+        conn.latency, conn.jitter = 0.4925, 0.0
+    net.connect = slow_link  # type: ignore[method-assign]  # (and any P opens later)
+    scene.world.fault("latency", p)
+    net.log("P LATENCY 0.4925 on every connection")
+
+    async def first() -> None:
+        hold = await scene.acquire(p, lock, "P1", timeout=5)
+        await asyncio.sleep(0.004)
+        await scene.release(p, lock, hold, "P1")
+
+    async def second() -> None:
+        hold = await scene.acquire(p, lock, "P2", timeout=5)
+        await scene.release(p, lock, hold, "P2")
+
+    scene.start(p, first(), "P1")
+    scene.start(p, second(), "P2")
+    await asyncio.sleep(6)
+
+
+@scenario
+async def cohort_turns_cancelled_and_handed_over(scene: Scene) -> None:
+    """Issue 45: a task of P's cohort is cancelled in the very step it is handed its turn,
+    once a holding (a local pass) and once the contender's place (the lease went to Q,
+    queued elsewhere): what it was handed goes on to the next task. Then a cohort holding
+    with a task waiting behind it is detached and Q adopts it: P's waiter goes on through
+    Redis, after Q's release."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    scene.run.strict = set()
+    lock = RedisMutex(clients[p], "m", ttl=1.0)
+
+    async def wait_turn(who: str) -> None:
+        hold = await scene.acquire(p, lock, who, timeout=5)
+        await scene.release(p, lock, hold, who)
+
+    async def first(hold_for: float) -> None:
+        hold = await scene.acquire(p, lock, "P1", timeout=5)
+        waiting = scene.start(p, wait_turn("P2"), "P2")
+        scene.start(p, wait_turn("P3"), "P3")
+        await asyncio.sleep(hold_for)
+        await scene.release(p, lock, hold, "P1")
+        waiting.cancel()  # handed its turn in this step: it has not run since
+        scene.world.net.log("P cancels P2 as its turn comes")
+
+    async def queued() -> None:
+        other = RedisMutex(clients[q], "m", ttl=1.0, local_handoff=0)
+        hold = await scene.acquire(q, other, "Q", timeout=5)
+        await asyncio.sleep(0.01)
+        await scene.release(q, other, hold, "Q")
+
+    await scene.start(p, first(0.001), "P1")  # a pass: P2 is handed the holding
+    await asyncio.sleep(0.1)
+    holder = scene.start(p, first(0.1), "P1")  # P2 is made the contender:
+    await asyncio.sleep(0.05)
+    scene.start(q, queued(), "Q")  # Q queues meanwhile, and P1's release hands it to Q
+    await holder
+    await asyncio.sleep(0.5)
+
+    handles: list[Any] = []
+
+    async def detaching() -> None:
+        hold = await scene.acquire(p, lock, "P4", timeout=5)
+        assert hold is not None
+        scene.start(p, wait_turn("P5"), "P5")
+        await asyncio.sleep(0.01)
+        handles.append(lock.detach())
+        scene.world.released(hold)
+        hold.detached = True
+
+    async def adopting() -> None:
+        other = RedisMutex(clients[q], "m", ttl=1.0)
+        await other.adopt(handles[0])
+        task = asyncio.current_task()
+        assert task is not None
+        res = Resource("mutex", ("m",), 1.0)
+        hold = scene.run.record(q, 0, res, other, "", task, adopted=True)
+        hold.task = "Q-adopted"
+        await asyncio.sleep(0.2)
+        await scene.release(q, other, hold, "Q-adopted")
+
+    await scene.start(p, detaching(), "P4")
+    await scene.start(q, adopting(), "Q-adopt")
+    await asyncio.sleep(2)

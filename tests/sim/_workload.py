@@ -75,6 +75,11 @@ class Run:
         self.orphan_since: dict[str, float] = {}
         self.strict = {"m1"}  # names no multi-lock or cohort shares (orphan check)
         self.queued: dict[Proc, int] = {}  # tasks of each process in a blocking acquire
+        # Processes whose mutexes are strict FIFO (`local_handoff=0`); the others run the
+        # default (a cohort of 16 holdings and 10 ms). Drawn from a generator of its own,
+        # so that the seed's other draws stay as they were.
+        self.fifo: set[Proc] = set()
+        self.fifo_rng = random.Random(f"{world.seed}:fifo")
         self.until = 0.0
 
     # -- the run -----------------------------------------------------------------------
@@ -92,6 +97,9 @@ class Run:
                 socket_timeout=rng.choice((None, 1.0, 3.0)),
                 retry=rng.random() < 0.5,
             )
+            if self.fifo_rng.random() < 0.4:
+                self.fifo.add(proc)
+                world.net.log(f"{proc.name}: its mutexes are strict FIFO (local_handoff=0)")
             for w in range(rng.randint(2, 6)):
                 tasks.append(world.spawn(proc, body(proc, w), f"{prefix}{w}"))
         return tasks
@@ -132,8 +140,14 @@ class Run:
         lock = self.locks.get(key)
         if lock is None:
             client = self.world.clients[proc]
-            if res.kind == "mutex":
+            if res.kind == "mutex" and res.max_hold is not None:
+                # (strict FIFO by itself: a cohort's lease would outlive the cap)
                 lock = RedisMutex(client, res.names[0], ttl=res.ttl, max_hold=res.max_hold)
+            elif res.kind == "mutex" and proc in self.fifo:
+                # Strict FIFO, its waiters queued behind the other processes' cohorts.
+                lock = RedisMutex(client, res.names[0], ttl=res.ttl, local_handoff=0)
+            elif res.kind == "mutex":
+                lock = RedisMutex(client, res.names[0], ttl=res.ttl)  # the default
             elif res.kind == "cohort":
                 lock = RedisMutex(
                     client, res.names[0], ttl=res.ttl, local_handoff=res.local_handoff
@@ -448,6 +462,7 @@ class Run:
         the engine counted it, and as the server's record says (the oracle's)."""
         world = self.world
         world.oracle.check_losses(LOST_SLACK, world.loop.time())
+        world.oracle.check_fairness(world.loop.time())
         for hold in world.holds:
             lost = hold.lost_at()
             released = hold.released_at

@@ -55,10 +55,12 @@ MUTANTS = [
     Mutant(
         "free-grant-short-lease",
         "aiolocks/_scripts/mutex_acquire.lua",
-        "  -- The uncontended path: free, nobody queued.\n"
-        "  redis.call('SET', owner, token, 'PX', ttl)",
-        "  -- The uncontended path: free, nobody queued.\n"
-        "  redis.call('SET', owner, token, 'PX', math.floor(tonumber(ttl) * 0.9))",
+        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  redis.call('SET', owner, token, 'PX', ttl)\n"
+        "  return",
+        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  redis.call('SET', owner, token, 'PX', math.floor(tonumber(ttl) * 0.9))\n"
+        "  return",
         "escaped 2: the free-mutex grant sets a shorter lease on the server than the client's",
     ),
     Mutant(
@@ -87,8 +89,8 @@ MUTANTS = [
     Mutant(
         "fence-ignores-counter",
         "aiolocks/_scripts/_prelude.lua",
-        "  local base = math.max(stored, now)\n",
-        "  local base = now\n",
+        "  elseif stored < now then\n",
+        "  else\n",
         "escaped 6: a fence from the clock alone, ignoring the stored counter",
     ),
     # -- scripts ------------------------------------------------------------------------
@@ -109,8 +111,8 @@ MUTANTS = [
     Mutant(
         "rw-writer-beside-reader",
         "aiolocks/_scripts/_rwlock.lua",
-        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 0)",
-        "    return not (kind == 'w' and redis.call('ZCARD', k.readers) > 1)",
+        "    return not (side == 'w' and redis.call('ZCARD', k.readers) > 0)",
+        "    return not (side == 'w' and redis.call('ZCARD', k.readers) > 1)",
         "an RW writer is let in beside a single reader",
     ),
     Mutant(
@@ -201,6 +203,15 @@ MUTANTS = [
         "a cohort's kept lease counted from the reply",
     ),
     Mutant(
+        "cohort-ignores-time-bound",
+        "aiolocks/_engine/_cohort.py",
+        "        return now - self._chain_start < CHAIN_BOUND"
+        " and now - self._held_since < CHAIN_BOUND",
+        "        return True",
+        "a cohort passes locally past its 10 ms (the count its only bound): a waiter elsewhere"
+        " waits up to 16 holdings of any length",
+    ),
+    Mutant(
         "cohort-loss-untold",
         "aiolocks/_engine/_cohort.py",
         "            lock, holding = holder\n            lock._lease_lost(holding, reason)",
@@ -264,7 +275,7 @@ def apply(mutant: Mutant, root: Path) -> None:
 class Outcome:
     name: str
     caught: bool
-    by: str  # the check (the first violation's kind), or why it survived
+    by: str  # the check that caught it (the first violation's), or why it survived
     where: str  # the scenario or seed
     detail: str
     seconds: float
@@ -292,7 +303,7 @@ def run_one(mutant: Mutant | None, scenarios_first: bool = True, tree: Path = RO
             if result["violations"]:
                 first = result["violations"][0]
                 return Outcome(
-                    name, True, kind_of(first), f"scenario {scenario}", first, _since(started)
+                    name, True, check_of(first), f"scenario {scenario}", first, _since(started)
                 )
         fast = (
             ["--fail-fast"] if "--fail-fast" in (root / "tests/sim/__main__.py").read_text() else []
@@ -300,7 +311,7 @@ def run_one(mutant: Mutant | None, scenarios_first: bool = True, tree: Path = RO
         seeds = _sim(root, env, "--seeds", SEEDS, "--duration", DURATION, *fast)
         seed, first = first_violation(seeds.stdout)
         if first is not None:
-            return Outcome(name, True, kind_of(first), f"seed {seed}", first, _since(started))
+            return Outcome(name, True, check_of(first), f"seed {seed}", first, _since(started))
         if seeds.returncode != 0:
             detail = (seeds.stderr or seeds.stdout)[-300:]
             return Outcome(name, True, "run failed", "seeds", detail, _since(started))
@@ -337,7 +348,7 @@ def first_violation(output: str) -> tuple[str, str | None]:
     return seed, None
 
 
-def kind_of(violation: str) -> str:
+def check_of(violation: str) -> str:
     """The check that reported `violation`: its leading words in capitals (with the
     history's or the server's mark), else the text before its first colon."""
     text = re.sub(r"^t=\S+ ", "", violation)
