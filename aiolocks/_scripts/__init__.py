@@ -68,11 +68,12 @@ def _code_words(text: str) -> frozenset[str]:
 _BLOCK_WORDS = [_code_words(block) for _, block in _PRELUDE_BLOCKS]
 
 
-def _needed_prelude(body: str) -> str:
-    """The prelude's definitions that `body` uses, directly or through each other, in the
-    prelude's order: a script call runs its whole text, so every helper it defines costs
-    the server time on every call (about 2.6 µs for all of them), used or not. (Words
-    compared as sets: a regex search per name per script cost every import ~0.5 s.)"""
+def _needed_blocks(body: str) -> list[int]:
+    """The indexes of the prelude's definitions that `body` uses, directly or through each
+    other, in the prelude's order: a script call runs its whole text, so every helper it
+    defines costs the server time on every call (about 1,000 instructions each, callgrind),
+    used or not. (Words compared as sets: a regex search per name per script cost every
+    import ~0.5 s.)"""
     words = set(_code_words(body))
     used = [False] * len(_PRELUDE_BLOCKS)
     changed = True
@@ -82,12 +83,29 @@ def _needed_prelude(body: str) -> str:
             if not used[index] and not names.isdisjoint(words):
                 used[index] = changed = True
                 words |= _BLOCK_WORDS[index]
-    kept = zip(_PRELUDE_BLOCKS, used, strict=True)
-    return "\n\n".join(block for (_, block), keep in kept if keep)
+    return [index for index, keep in enumerate(used) if keep]
+
+
+def _prelude_text(indexes: list[int]) -> str:
+    return "\n\n".join(_PRELUDE_BLOCKS[index][1] for index in indexes)
+
+
+# A script may mark, with this line, where its hot path (which returns) ends: the helpers the
+# code above the line uses are defined before the script, the others at the line, so a call
+# that returns above it never defines them.
+REST_OF_PRELUDE = "-- (the prelude's other helpers are defined here)\n"
 
 
 def _script(name: str, body: str, prelude: bool = True) -> Script:
-    source = f"{_needed_prelude(body)}\n{body}" if prelude else body
+    if not prelude:
+        source = body
+    else:
+        head, mark, tail = body.partition(REST_OF_PRELUDE)
+        first = _needed_blocks(head)
+        source = f"{_prelude_text(first)}\n{head}"
+        if mark:
+            rest = [index for index in _needed_blocks(body) if index not in first]
+            source += f"{_prelude_text(rest)}\n{tail}"
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 

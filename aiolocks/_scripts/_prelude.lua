@@ -21,7 +21,9 @@
 --      zset entry (enqueue) and leaves the zset no later than the list (pop_live).
 -- The prelude is cut into its top-level items (see aiolocks/_scripts/__init__.py): an item
 -- starts at an unindented comment or `local` after a blank line; only the items a script
--- uses are prepended to it.
+-- uses are prepended to it, and where a script marks the end of its hot path
+-- (REST_OF_PRELUDE), those that only the code past the mark uses are put at the mark: a
+-- call that returns before it never defines them (each costs about 1,000 instructions).
 
 -- Fail the script with `message` as its error reply. From Redis 7.0 (version number
 -- 0x070000 = 458752; every Valkey) a raised {err = ...} table is the reply as it stands
@@ -56,25 +58,6 @@ local function check_keys(types)
   end
 end
 
--- Reads that open a script and double as its type check: each of KEYS[i] is read as the
--- type `types[i]` should be (as for check_keys: GET for a string or counter, LLEN for a
--- list, ZCARD for a zset, HLEN for a hash; 'first' reads a list's head, LINDEX 0), a read
--- that fails on a key of another type. Returns the replies, in order; a key of another type
--- fails the call before anything is written, naming the key as check_keys does. One call
--- per key, where check_keys and the script's own first reads would take two.
-local function read_as(want, key)
-  if want == 'list' then
-    return redis.pcall('LLEN', key)
-  elseif want == 'first' then
-    return redis.pcall('LINDEX', key, 0)
-  elseif want == 'zset' then
-    return redis.pcall('ZCARD', key)
-  elseif want == 'hash' then
-    return redis.pcall('HLEN', key)
-  end
-  return redis.pcall('GET', key)
-end
-
 -- Fail on `reply`, an error reply of a call on `key`: a WRONGTYPE one names the key and
 -- what it holds (as check_keys does), any other is passed on.
 local function fail_on(reply, key, want)
@@ -86,14 +69,31 @@ local function fail_on(reply, key, want)
   fail(reply['err'])
 end
 
--- One key read as read_as does: KEYS[i] as the type `want`.
+-- A read that opens a script and doubles as its type check: KEYS[i] read as the type `want`
+-- should be (as for check_keys: GET for a string or counter, LLEN for a list, ZCARD for a
+-- zset, HLEN for a hash; 'first' reads a list's head, LINDEX 0), a read that fails on a key
+-- of another type. Returns the reply; a key of another type fails the call before anything
+-- is written, naming the key as check_keys does. One call per key, where check_keys and
+-- the script's own first read would take two.
 local function read_key(i, want)
-  local reply = read_as(want, KEYS[i])
+  local key = KEYS[i]
+  local reply
+  if want == 'first' then
+    reply = redis.pcall('LINDEX', key, 0)
+  elseif want == 'list' then
+    reply = redis.pcall('LLEN', key)
+  elseif want == 'zset' then
+    reply = redis.pcall('ZCARD', key)
+  elseif want == 'hash' then
+    reply = redis.pcall('HLEN', key)
+  else
+    reply = redis.pcall('GET', key)
+  end
   if type(reply) == 'table' and reply['err'] then
-    fail_on(reply, KEYS[i], want)
+    fail_on(reply, key, want)
   end
   if want == 'counter' and reply and not tonumber(reply) then
-    fail('WRONGTYPE aiolocks: ' .. KEYS[i] .. ' holds a string that is not a number')
+    fail('WRONGTYPE aiolocks: ' .. key .. ' holds a string that is not a number')
   end
   return reply
 end
@@ -140,13 +140,6 @@ local function int_str(n)
     return string.format('%d', n)
   end
   return string.format('%.0f', n)
-end
-
--- The server clock in microseconds (now_us) as its decimal digits, from TIME's own text:
--- no number to format.
-local function now_us_str()
-  local t = server_time()
-  return t[1] .. string.sub('00000' .. t[2], -6)
 end
 
 -- Expiry: every key of a primitive lives while anyone holds or waits, and at most this long
@@ -272,7 +265,7 @@ end
 -- Where the key was missing, the block starts above the clock (nothing stored to start
 -- above). Where the stored counter is behind the clock by a block or more (the usual case:
 -- the last grant was a while ago), the block ends at the clock instead, and the counter is
--- written as TIME's own digits (now_us_str: no 16-digit number to format); it still starts
+-- written as TIME's own digits (no 16-digit number to format); it still starts
 -- above the stored counter, and ends where the clock-based rule needs it. Otherwise (a
 -- cohort ahead of the clock, or a clock stepped back) it starts right above the counter.
 -- `stored`: the counter's value when the caller has just read it (nil: read it here).
@@ -287,7 +280,8 @@ local function grant_fence(fence_key, token, ttl, stored, alone)
   end
   local base, last, digits = stored, stored + block, nil
   if stored > 0 and now - block >= stored then
-    base, last, digits = now - block, now, now_us_str()
+    local t = server_time()  -- now's digits, from TIME's own text: no number to format
+    base, last, digits = now - block, now, t[1] .. string.sub('00000' .. t[2], -6)
   elseif stored < now then
     base, last = now, now + block
   end

@@ -21,11 +21,15 @@ local token, ttl, tag = split_member(member)
 -- answer reads each key that exists, checking its type.
 local present = redis.call('EXISTS', owner, queue)
 if present == 0 then
-  -- The uncontended path: free, nobody queued.
+  -- The uncontended path: free, nobody queued. It returns before the helpers only the
+  -- other paths use are defined (the mark below).
   local stored = tonumber(read_key(4, 'counter')) or 0
   redis.call('SET', owner, token, 'PX', ttl)
   return {1, grant_fence(fence_key, token, ttl, stored, true)}
 end
+
+-- (the prelude's other helpers are defined here)
+
 local current = read_key(1, 'string')
 if current == token then  -- a re-check, a retry or a late grant's confirmation: renew
   local stored = tonumber(read_key(4, 'counter')) or 0

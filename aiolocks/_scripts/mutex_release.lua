@@ -12,10 +12,18 @@ local owner, queue, waiters, fence_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local member, channel, keep = ARGV[1], ARGV[2], ARGV[3] == 'keep'
 local token, ttl, tag = split_member(member)
 
--- Free path (held, nobody queued): GET, LINDEX, DEL. A holder is never queued (a grant pops
--- its member), so only a caller that does not hold it may have an entry to withdraw.
+-- Free path (held, nobody queued): GET, LINDEX, DEL, returning before the helpers only the
+-- other paths use are defined (the mark below). A holder is never queued (a grant pops its
+-- member), so only a caller that does not hold it may have an entry to withdraw.
 local current = read_key(1, 'string')
 local head = read_key(2, 'first')
+if current == token and not head and not keep then
+  redis.call('DEL', owner)
+  return {1}
+end
+
+-- (the prelude's other helpers are defined here)
+
 local status = 1
 if current ~= token then
   status = 0
