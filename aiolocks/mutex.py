@@ -11,8 +11,7 @@ from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._base._query import query
 from ._base._telemetry import Counters
-from ._engine._cohort import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF
-from ._engine._leasedlock import LeasedLock
+from ._engine._leasedlock import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF, LeasedLock
 from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
 from ._scripts import Script, load
 

@@ -15,6 +15,14 @@ under it) with `uvicorn --workers N` and runs `wrk` (Debian: `apt-get install wr
 interpreter in turn (so a shared machine's load falls on all of them alike). Per run:
 requests/s (every answer, 409s included), the 2xx count, and whether the counters match
 it (an overlap loses an update). The ratios the FastAPI page promises are printed last.
+
+`--rounds N` (N > 1), for ratios that hold on a shared machine: one server per install and
+worker count stays up and serves every mode, and the modes take turns in N short rounds
+(`--seconds` each; each round starts at the next mode, the installs in turn within it), so
+load that comes and goes falls on every mode alike. Each ratio is then taken within a round
+(mode and baseline measured seconds apart) and printed per round, with the median and the
+spread (min-max) over the rounds; beside requests/s, the CPU the server's processes spent
+per request (its whole process tree, from /proc).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,7 +147,9 @@ async def counted(url: str, mode: str) -> int:
     return sum(int(v) for v in values if v is not None)
 
 
-def run(install: Install, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
+@contextlib.contextmanager
+def serve(install: Install, url: str, workers: int) -> Iterator[tuple[int, int]]:
+    """The app under uvicorn with `workers` workers: (its port, its pid), stopped on exit."""
     port = free_loopback_port()
     env = {**os.environ, URL_ENV: url}
     if install.pythonpath is not None:
@@ -156,13 +167,7 @@ def run(install: Install, url: str, workers: int, mode: str, seconds: float, scr
     )  # fmt: skip
     try:
         wait_listening(port, process, 60)
-        subprocess.run(  # warm-up: imports, connections, scripts loaded
-            ["wrk", "-t1", "-c8", "-d1s", "-s", str(script), f"http://127.0.0.1:{port}",
-             "--", f"/{mode}/"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        asyncio.run(counted(url, mode))
-        row = wrk(port, mode, seconds, script)
+        yield port, process.pid
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -170,6 +175,27 @@ def run(install: Install, url: str, workers: int, mode: str, seconds: float, scr
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def warm(port: int, mode: str, script: Path) -> None:
+    """Imports, connections, scripts loaded: one second of `mode` at 8 connections."""
+    subprocess.run(
+        ["wrk", "-t1", "-c8", "-d1s", "-s", str(script), f"http://127.0.0.1:{port}",
+         "--", f"/{mode}/"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def run(install: Install, url: str, workers: int, mode: str, seconds: float, script: Path) -> Any:
+    with serve(install, url, workers) as (port, _):
+        warm(port, mode, script)
+        asyncio.run(counted(url, mode))
+        row = wrk(port, mode, seconds, script)
+    return checked(row, url, workers, mode)
+
+
+def checked(row: dict[str, Any], url: str, workers: int, mode: str) -> dict[str, Any]:
+    """`row` with the mode's counters read (and reset) and compared with its 2xx answers."""
     counter = asyncio.run(counted(url, mode))
     row["counter"] = counter
     # Each 2xx added 1 (the requests in flight when wrk stopped may have added theirs):
@@ -196,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="N > 1: one server per install serves every mode, the modes alternating in N "
+        "rounds of --seconds each; ratios per round, their median and spread, CPU/request",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         parser.error(
@@ -213,8 +244,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         url, source = stack.enter_context(bench_server(args.url))
         script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "orders.lua"
         script.write_text(WRK_SCRIPT)
-        results = measure(pythons, url, args.workers, args.modes, args.seconds, script)
-    summarize(pythons, results)
+        if args.rounds > 1:
+            results = measure_rounds(
+                pythons, url, args.workers, args.modes, args.seconds, script, args.rounds
+            )
+        else:
+            results = measure(pythons, url, args.workers, args.modes, args.seconds, script)
+    if args.rounds > 1:
+        summarize_rounds(pythons, results)
+    else:
+        summarize(pythons, results)
     write_json(
         args.json,
         {
@@ -223,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "connections": CONNECTIONS,
             "orders": ORDERS,
             "seconds": args.seconds,
+            "rounds": args.rounds,
             "pythons": {label: str(install) for label, install in pythons.items()},
             "results": results,
         },
@@ -254,6 +294,91 @@ def measure(
                     flush=True,
                 )
     return results
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) spent so far by `pid` and every process below it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        one = pending.pop()
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in Path(f"/proc/{one}/task").iterdir():
+                pending += map(int, (task / "children").read_text().split())
+    return total
+
+
+def measure_rounds(
+    pythons: dict[str, Install],
+    url: str,
+    workers_list: Sequence[int],
+    modes: Sequence[str],
+    seconds: float,
+    script: Path,
+    rounds: int,
+) -> dict[str, dict[str, Any]]:
+    """`--rounds`: per worker count, one server per install, up together; every mode in
+    each of `rounds` rounds (each round starting at the next mode, the installs in turn),
+    a row printed per run. {label: {"MODE/WORKERS": [row per round]}}."""
+    results: dict[str, dict[str, Any]] = {label: {} for label in pythons}
+    width = max(6, *map(len, pythons))
+    for workers in workers_list:
+        with contextlib.ExitStack() as stack:
+            servers = {
+                label: stack.enter_context(serve(install, url, workers))
+                for label, install in pythons.items()
+            }
+            for port, _ in servers.values():
+                for mode in modes:
+                    warm(port, mode, script)
+            for index in range(rounds):
+                for mode in (*modes[index % len(modes) :], *modes[: index % len(modes)]):
+                    for label, (port, pid) in servers.items():
+                        asyncio.run(counted(url, mode))
+                        cpu = tree_cpu(pid)
+                        row = wrk(port, mode, seconds, script)
+                        cpu = tree_cpu(pid) - cpu
+                        row = checked(row, url, workers, mode)
+                        row["cpu_us"] = cpu / max(1, row["ok"] + row["non_2xx"]) * 1e6
+                        results[label].setdefault(f"{mode}/{workers}", []).append(row)
+                        print(
+                            f"{label:>{width}} {workers}w round {index + 1} {mode:<16} "
+                            f"{row['per_s']:>8.1f} req/s {row['cpu_us']:>6.0f} µs CPU/req "
+                            f"non-2xx {row['non_2xx']:>6} overlaps {row['overlaps']}",
+                            flush=True,
+                        )
+    return results
+
+
+def summarize_rounds(pythons: dict[str, Install], results: dict[str, dict[str, Any]]) -> None:
+    """Each ratio per round (mode over baseline within the round), then its median and
+    spread over the rounds; the same for the server's CPU per request (baseline over mode:
+    above 1 is cheaper than the baseline); then each mode's medians and the overlaps."""
+    print()
+    for what, mode, base, workers in RATIOS:
+        for label in pythons:
+            a = results[label].get(f"{mode}/{workers}")
+            b = results[label].get(f"{base}/{workers}")
+            if not (a and b):
+                continue
+            speed = [x["per_s"] / y["per_s"] for x, y in zip(a, b, strict=True)]
+            cpu = [y["cpu_us"] / x["cpu_us"] for x, y in zip(a, b, strict=True)]
+            print(
+                f"{what:<36} {label}: req/s median {statistics.median(speed):.2f}x "
+                f"(min {min(speed):.2f}, max {max(speed):.2f}; rounds "
+                + " ".join(f"{r:.2f}" for r in speed)
+                + f"); CPU/req median {statistics.median(cpu):.2f}x "
+                f"(min {min(cpu):.2f}, max {max(cpu):.2f})"
+            )
+    for label in pythons:
+        for run, rows in results[label].items():
+            print(
+                f"{label} {run}: median {statistics.median(r['per_s'] for r in rows):.0f} req/s, "
+                f"{statistics.median(r['cpu_us'] for r in rows):.0f} µs CPU/req, overlaps "
+                f"{sum(r['overlaps'] for r in rows if r['counter_exact'] is not None)}"
+            )
 
 
 def summarize(pythons: dict[str, Install], results: dict[str, dict[str, Any]]) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import redis.asyncio
 
 from aiolocks._base._clients import AnyRedis
-from aiolocks._engine._cohort import cohorts_of
 from aiolocks._engine._context import ClientContext, context_for
+from aiolocks._engine._leasedlock import cohorts_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued
@@ -61,7 +61,7 @@ class _Recording(deque[Any]):
 
 
 class _Cohorts(dict[Any, Any]):
-    """A context's cohorts (`_cohort.cohorts_of`), each one's queue recording."""
+    """A context's cohorts (`_leasedlock.cohorts_of`), each one's queue recording."""
 
     def __init__(self, cohorts: dict[Any, Any], on_wait: Callable[[], None]) -> None:
         super().__init__()

@@ -34,8 +34,8 @@ from aiolocks import (
     RedisRegistry,
     RedisSemaphore,
 )
-from aiolocks._engine._cohort import cohorts_of
 from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import cohorts_of
 
 pytestmark = pytest.mark.faults
 

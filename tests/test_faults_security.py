@@ -28,9 +28,8 @@ from aiolocks import (
     RedisSemaphore,
     ServerUnavailable,
 )
-from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
 from aiolocks._engine._context import context_for
-from aiolocks._engine._leasedlock import LeasedLock
+from aiolocks._engine._leasedlock import DEFAULT_LOCAL_HANDOFF, LeasedLock
 
 pytestmark = pytest.mark.faults
 

@@ -259,3 +259,23 @@ async def test_holding_after_holding_leaves_the_keeper_asleep(
     task = keeper._task
     assert task is not None
     await asyncio.wait_for(asyncio.shield(task), _IDLE_EXIT * 2 + 2.0)  # it ends
+
+
+def test_a_keep_answered_late_never_moves_a_renewed_lease_back() -> None:
+    """A cohort's keep sent before renewals that were answered first: the server's lease is
+    the later one, so the lease's validity and next renewal stay where the renewals put them
+    (sim seeds 165 and 964: the validity moved back 2 s, a loss reported of a lease the
+    server had just renewed)."""
+    from aiolocks._scripts import load
+
+    started = time.monotonic()
+    script = load("renew_owner")
+    lease = Lease(script, (b"k",), (), ttl=3.0, granted_at=started, owner=None)  # type: ignore[arg-type]
+    lease.renewed(started + 2.0)
+    renewed_until, renewed_due = lease.valid_until, lease.next_due
+    lease.release_begun()
+    lease.kept(started + 0.5)  # the keep was sent before that renewal, answered after it
+    assert (lease.valid_until, lease.next_due) == (renewed_until, renewed_due)
+    assert not lease.releasing and not lease.lost
+    lease.kept(started + 2.5)  # a keep sent after it does extend it
+    assert lease.valid_until > renewed_until

@@ -21,9 +21,9 @@ from _servers import arun_workers
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockLost, RedisMutex
-from aiolocks._engine import _cohort
-from aiolocks._engine._cohort import cohorts_of
+from aiolocks._engine import _leasedlock
 from aiolocks._engine._context import context_for
+from aiolocks._engine._leasedlock import cohorts_of
 from aiolocks.testing import expire_lease
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -62,7 +62,7 @@ async def run_chain(
 def untimed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The count limit alone (no time bound), for tests of the chain's mechanics that a
     loaded machine's slow holdings would otherwise cut short."""
-    monkeypatch.setattr(_cohort, "CHAIN_BOUND", 3600.0)
+    monkeypatch.setattr(_leasedlock, "CHAIN_BOUND", 3600.0)
 
 
 @pytest.mark.usefixtures("untimed")
@@ -179,7 +179,7 @@ async def test_a_remote_waiter_waits_at_most_the_time_bound(url: str) -> None:
     passing the lock on once it has stayed CHAIN_BOUND (10 ms) in the process: the remote
     waiter gets it after about ten of them (without the time bound it waited for ever)."""
     ahead = await holdings_ahead_of_a_remote_waiter(url, "timed", 10_000, 0.001)
-    limit = round(_cohort.CHAIN_BOUND / 0.001)  # holdings of >= 1 ms in the time bound
+    limit = round(_leasedlock.CHAIN_BOUND / 0.001)  # holdings of >= 1 ms in the time bound
     assert ahead <= limit + 2, ahead
 
 
@@ -195,7 +195,7 @@ async def test_a_long_holding_is_not_passed_on_locally(r: redis.asyncio.Redis) -
     (the next fence of the block)."""
     holder = RedisMutex(r, "long", ttl=10, local_handoff=16)
     waiter = RedisMutex(r, "long", ttl=10, local_handoff=16)
-    for hold, local in ((0.0, True), (_cohort.CHAIN_BOUND * 2, False)):
+    for hold, local in ((0.0, True), (_leasedlock.CHAIN_BOUND * 2, False)):
         assert await holder.acquire()
         first = holder.fencing_token
         assert first is not None
@@ -295,7 +295,7 @@ async def test_the_default_is_a_bounded_local_handoff(r: redis.asyncio.Redis) ->
     assert context.commands_sent - before <= 3, context.commands_sent - before
     async with mutex:
         token = (await mutex.inspect()).owner
-        assert token is not None and token.endswith(f"+{_cohort.DEFAULT_LOCAL_HANDOFF + 1}")
+        assert token is not None and token.endswith(f"+{_leasedlock.DEFAULT_LOCAL_HANDOFF + 1}")
     capped = RedisMutex(r, "default", max_hold=5)
     async with capped:
         token = (await capped.inspect()).owner

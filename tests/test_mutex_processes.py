@@ -30,7 +30,7 @@ from _servers import arun_workers
 from _workers import LINE_TIMEOUT, Spawn, Worker
 
 from aiolocks import RedisMutex
-from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
+from aiolocks._engine._leasedlock import DEFAULT_LOCAL_HANDOFF
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued

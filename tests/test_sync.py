@@ -15,7 +15,7 @@ import redis.asyncio
 from _servers import ServerProcess
 
 from aiolocks import Limit, LockLost, LockNotOwned, LockReentry, LockTimeout
-from aiolocks._engine._cohort import DEFAULT_LOCAL_HANDOFF
+from aiolocks._engine._leasedlock import DEFAULT_LOCAL_HANDOFF
 from aiolocks.sync import (
     RedisMutex,
     RedisRateLimiter,

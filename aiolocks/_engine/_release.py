@@ -12,8 +12,8 @@ One module decides what is retried, how often and for how long (`RETRY_POLICY` b
   failed acquisition, an interrupted release): a task of its own, awaited up to a bound,
   then retried in the background while Redis cannot be reached, until the server forgets
   the token by itself (its ttl).
-- the awaiting helpers (`InFlight`, `completed`, `bounded`, `shielded`, `answered_by`): a
-  call whose reply a cancellation or a deadline must not cut short.
+- the awaiting helpers (`InFlight`, `completed`, `bounded`, `shielded`): a call whose
+  reply a cancellation or a deadline must not cut short.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ __all__ = [
     "ReleaseReply",
     "Released",
     "Unanswered",
-    "answered_by",
     "background_release",
     "bounded",
     "completed",
@@ -480,8 +479,7 @@ class _ValidityBound:
 
 
 class Unanswered:
-    """The marker `answered_by` (and `release_until`) return when Redis did not answer in
-    time."""
+    """The marker `release_until` returns when Redis did not answer in time."""
 
 
 UNANSWERED = Unanswered()
@@ -564,24 +562,6 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
             return None
 
     return await completed(run())
-
-
-async def answered_by(awaitable: Awaitable[T], until: float | None) -> T | Unanswered:
-    """`completed`, waited for until the monotonic time `until` at most (a lease's
-    validity): past it the answer is UNANSWERED and the call goes on in the background
-    (a cancelled caller also leaves it running: it completes either way)."""
-    if until is None:
-        return await completed(awaitable)
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - _clock.monotonic()))
-    except BaseException:
-        task.add_done_callback(_log_failure)
-        raise
-    if task in done:
-        return task.result()
-    task.add_done_callback(_log_failure)
-    return UNANSWERED
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

@@ -156,8 +156,11 @@ class Lease:
 
     def kept(self, sent_at: float) -> None:
         """Its release let the same token keep it (a cohort out of local passes, nobody
-        waiting elsewhere: a fresh lease from `sent_at`): held again, no longer being released."""
-        self.renewed(sent_at)
+        waiting elsewhere: a fresh lease from `sent_at`): held again, no longer being released.
+        Never earlier than it was: renewals answered while the keep was in flight extended the
+        same token's lease, and the server kept the later of the two."""
+        if validity(sent_at, self.ttl) > self.valid_until:
+            self.renewed(sent_at)
         self.releasing = False
         self.lost = False
 

@@ -245,7 +245,7 @@ local function note_grant(grants, token, fence, ttl)
   grants[#grants + 1] = tonumber(ttl)
 end
 
--- Fence blocks: a token ending in "+<k>" is a local hand-off cohort's (see _cohort.py); its
+-- Fence blocks: a token ending in "+<k>" is a local hand-off cohort's (see Cohort, _engine/_leasedlock.py); its
 -- grant reserves k consecutive fences at once and holds the first, and the process hands the
 -- others to its own tasks without a round trip. Any other token reserves one.
 local function fence_block(token)

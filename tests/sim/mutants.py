@@ -190,21 +190,21 @@ MUTANTS = [
     # -- local hand-off cohorts ---------------------------------------------------------
     Mutant(
         "cohort-passes-lapsed-lease",
-        "aiolocks/_engine/_cohort.py",
+        "aiolocks/_engine/_leasedlock.py",
         "            valid = lease.remaining > 0",
         "            valid = lease.valid_until > _clock.monotonic() - 1.0",
         "a cohort passes on a lease whose validity ended",
     ),
     Mutant(
         "cohort-keep-validity-from-reply",
-        "aiolocks/_engine/_cohort.py",
+        "aiolocks/_engine/_leasedlock.py",
         "        lease.kept(sent_at)",
         "        lease.kept(_clock.monotonic())",
         "a cohort's kept lease counted from the reply",
     ),
     Mutant(
         "cohort-ignores-time-bound",
-        "aiolocks/_engine/_cohort.py",
+        "aiolocks/_engine/_leasedlock.py",
         "        return now - self._chain_start < CHAIN_BOUND"
         " and now - self._held_since < CHAIN_BOUND",
         "        return True",
@@ -213,7 +213,7 @@ MUTANTS = [
     ),
     Mutant(
         "cohort-loss-untold",
-        "aiolocks/_engine/_cohort.py",
+        "aiolocks/_engine/_leasedlock.py",
         "            lock, holding = holder\n            lock._lease_lost(holding, reason)",
         "            lock, holding = holder",
         "a cohort's lost lease is not told to its current local holder",
