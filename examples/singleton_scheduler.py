@@ -115,11 +115,11 @@ async def main(replica: str, url: str) -> None:
     try:
         await asyncio.gather(*tasks)
     finally:
-        # The tasks end first (the leader resigns; 2 s at most: the server may be gone
+        # The tasks end first (the leader resigns; 5 s at most: the server may be gone
         # too), then the client closes: a closed client is used no more.
         for task in tasks:
             task.cancel()
-        await asyncio.wait(tasks, timeout=2)
+        await asyncio.wait(tasks, timeout=5)
         await client.aclose()
 
 
