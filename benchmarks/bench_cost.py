@@ -33,6 +33,11 @@ the median. Then, for each aiolocks column, issue 45's targets as ratios to pyth
 in the same run: server CPU (`INFO cpu`) per uncontended cycle and per contended acquisition at
 most 1.0x, client CPU per contended acquisition at 4x4 at most 1.0x, throughput at 1x16 and 4x4
 at least 1.2x. Results in `results/cost.json`.
+
+With `--instructions`, instead: the server's instructions per uncontended cycle, counted by
+callgrind (`_instructions.py`; needs valgrind), for each build and the two peers, which the
+machine's load does not move as it moves `INFO cpu`. Results in
+`results/cost_instructions.json`.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any
 
 import redis.asyncio
 from _harness import RESULTS, fmt, loadavg, machine, ratio, server_calls, server_info, write_json
+from _instructions import instructions_per_cycle
 from bench_peers import contend_in_workers
 from bench_scale import redis_server, trees
 
@@ -235,6 +241,34 @@ def default_config(root: Path) -> str:
     return "strict FIFO" if local_handoff == 0 else f"local_handoff={local_handoff}"
 
 
+def instructions(args: argparse.Namespace) -> None:
+    """The server's instructions per uncontended cycle of each build and peer, side by side."""
+    clients = [
+        (f"aiolocks {label} (default: {default_config(root)})", "aiolocks", root)
+        for label, root in trees(args)
+    ]
+    clients += [("redis-py Lock", "redis-py", HERE.parent)]
+    clients += [("python-redis-lock", "python-redis-lock", HERE.parent)]
+    counted = instructions_per_cycle(clients, args.cycles)
+    first, prl = counted[clients[0][0]], counted["python-redis-lock"]
+    print("server instructions per uncontended cycle (callgrind):")
+    for column, value in counted.items():
+        print(
+            f"  {column:<48} {value:>10,.0f}  {fmt(ratio(value, first), 2)}x {clients[0][0]}, "
+            f"{fmt(ratio(value, prl), 2)}x python-redis-lock"
+        )
+    path = Path(args.json) if args.json else RESULTS / "cost_instructions.json"
+    report = {
+        "benchmark": "cost_instructions",
+        "aiolocks": __version__,
+        "machine": machine(),
+        "cycles": args.cycles,
+        "instructions_per_cycle": {column: round(value) for column, value in counted.items()},
+    }
+    write_json(path, report)
+    print(f"wrote {path}")
+
+
 async def main(args: argparse.Namespace) -> None:
     builds = trees(args)
     # Each build's default, named: an older tree's default mutex is strict FIFO.
@@ -318,9 +352,18 @@ def parse() -> argparse.Namespace:
         default=[],
         help="also this build with local_handoff=N, for each N given (0,4,16)",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instead: the server's instructions per uncontended cycle (callgrind)",
+    )
     parser.add_argument("--json", help=f"default {RESULTS / 'cost.json'}")
     return parser.parse_args()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    arguments = parse()
+    if arguments.instructions:
+        instructions(arguments)
+    else:
+        asyncio.run(main(arguments))

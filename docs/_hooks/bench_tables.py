@@ -562,6 +562,14 @@ def _cost(data: dict[str, Any]) -> str:
     )
 
 
+def _cost_instructions(data: dict[str, Any]) -> str:
+    """bench_cost.py --instructions: the server's instructions per uncontended cycle."""
+    counted = data["instructions_per_cycle"]
+    prl = counted["python-redis-lock"]
+    rows = [(column, _num(value), _times(value / prl)) for column, value in counted.items()]
+    return _table(("client", "instructions per cycle", "vs python-redis-lock"), rows)
+
+
 def _ratelimit(data: dict[str, Any]) -> str:
     settings = data["settings"]
     rows = [
@@ -623,6 +631,7 @@ def _sync(data: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "sync": _sync,
     "cost": _cost,
+    "cost_instructions": _cost_instructions,
     "default_mutex": _default_mutex,
     "scale": _scale,
     "scale_burst": _scale_burst,
