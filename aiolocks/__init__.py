@@ -6,7 +6,6 @@ on cancellation at every await.
 """
 
 from ._base._errors import AccessDenied as AccessDenied
-from ._base._errors import ClientClosed as ClientClosed
 from ._base._errors import LimitMismatch as LimitMismatch
 from ._base._errors import LockError as LockError
 from ._base._errors import LockLost as LockLost
@@ -39,7 +38,6 @@ from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
     "AccessDenied",
-    "ClientClosed",
     "ElectionInfo",
     "LeaderInfo",
     "Limit",
