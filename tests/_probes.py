@@ -14,7 +14,7 @@ import redis.asyncio
 
 from aiolocks._base._clients import AnyRedis
 from aiolocks._engine._context import ClientContext, context_for
-from aiolocks._engine._leasedlock import cohorts_of
+from aiolocks._engine._leasedlock import Cohort, cohorts_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued
@@ -70,7 +70,8 @@ class _Cohorts(dict[Any, Any]):
             self[key] = cohort
 
     def __setitem__(self, key: Any, cohort: Any) -> None:
-        cohort._queue = _Recording(cohort._queue, self.on_wait)
+        if isinstance(cohort, Cohort):  # (not a task alone: nobody queues behind it)
+            cohort._queue = _Recording(cohort._queue, self.on_wait)
         super().__setitem__(key, cohort)
 
 

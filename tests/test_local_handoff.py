@@ -83,6 +83,59 @@ async def test_one_process_passes_the_lease_without_round_trips(r: redis.asyncio
     assert info.fence >= fences[-1]  # the last block may be partly unused
 
 
+async def test_a_task_alone_makes_no_cohort_and_one_that_comes_takes_its_holding_over(
+    r: redis.asyncio.Redis,
+) -> None:
+    """Issue 41 (client CPU per uncontended cycle): a task acquiring and holding alone makes
+    no `Cohort`; a second task that comes while it holds makes one, which takes the holding
+    over: the lease passes to the second locally (no script call, the next fence of the
+    block), and the cohort is forgotten after."""
+    context = context_for(r)
+    probe = QueueProbe(r, local=True)
+    first, second = RedisMutex(r, "alone"), RedisMutex(r, "alone")
+    async with first:
+        pass
+    assert cohorts_of(context) == {}
+    await first.acquire()
+    fence = first.fencing_token
+    assert fence is not None
+    assert not any(isinstance(c, _leasedlock.Cohort) for c in cohorts_of(context).values())
+    got: list[int | None] = []
+
+    async def come() -> None:
+        async with second:
+            got.append(second.fencing_token)
+
+    task = asyncio.create_task(come())
+    await probe.wait_queued(1)  # it queues locally, with no Redis call
+    [cohort] = cohorts_of(context).values()
+    assert isinstance(cohort, _leasedlock.Cohort)
+    before = context.commands_sent
+    await first.release()
+    await asyncio.wait_for(task, 10)
+    assert got == [fence + 1]
+    assert context.commands_sent - before == 1  # the second's release only
+    assert cohorts_of(context) == {}
+    assert (await first.inspect()).owner is None
+
+
+async def test_a_task_alone_whose_lease_was_lost_leaves_the_next_one_to_redis(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A holding alone lost (its lease ended on the server) is not taken over by the cohort
+    a second task makes: that one acquires through Redis at once, while the first still has
+    to release (LockLost)."""
+    first, second = RedisMutex(r, "alone-lost", ttl=5), RedisMutex(r, "alone-lost", ttl=5)
+    await first.acquire()
+    await expire_lease(first)
+    assert await second.acquire(timeout=10)
+    assert (await second.inspect()).owner == second._current().token  # type: ignore[union-attr]
+    with pytest.raises(LockLost):
+        await first.release()
+    await second.release()
+    assert cohorts_of(context_for(r)) == {}
+
+
 async def test_strict_fifo_with_local_handoff_0(r: redis.asyncio.Redis) -> None:
     """With local_handoff=0 every holding is a grant from Redis reserving one fence: the
     counter ends at the last holding's fence (no block left partly unused)."""

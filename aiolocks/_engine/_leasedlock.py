@@ -62,7 +62,6 @@ __all__ = [
     "Cohort",
     "LeasedLock",
     "LockStatistics",
-    "cohort_for",
     "cohort_token",
     "cohorts_of",
     "is_cohort_token",
@@ -345,8 +344,7 @@ class LeasedLock(AsyncWithOnly):
         self._waiting += 1
         try:
             if self._local_handoff:
-                cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
-                acquired = await cohort.acquire(self, task, blocking, deadline)
+                acquired = await self._local_acquisition(context, task, blocking, deadline)
                 if not acquired and _last_miss.get() is None:  # (no call to Redis told why)
                     _last_miss.set(_LOCAL_MISS)
             else:
@@ -361,6 +359,68 @@ class LeasedLock(AsyncWithOnly):
         elif blocking:  # (timeout=0 is blocking=False by now): a timeout, not busy
             self._spec.counters.timeouts += 1
         return acquired
+
+    def _local_acquisition(
+        self,
+        context: ClientContext,
+        task: asyncio.Task[Any],
+        blocking: bool,
+        deadline: float | None,
+    ) -> Awaitable[bool]:
+        """`acquire` with `local_handoff`: alone while no other task of this process wants the
+        lock (no `Cohort`; a `_Solo` entry stands for the task), else through the cohort, made
+        by the first task that finds one acquiring or holding alone."""
+        cohorts = cohorts_of(context)
+        key = (self._spec.channel, self._ttl_ms, self._local_handoff)
+        found = cohorts.get(key)
+        if found is None:
+            return self._acquire_alone(context, task, blocking, deadline, cohorts, key)
+        if isinstance(found, Cohort):
+            return found.acquire(self, task, blocking, deadline)
+        cohort = cohorts[key] = Cohort(context, self._spec, self._ttl_ms, self._local_handoff)
+        cohort.take_over(found)
+        return cohort.acquire(self, task, blocking, deadline)
+
+    async def _acquire_alone(
+        self,
+        context: ClientContext,
+        task: asyncio.Task[Any],
+        blocking: bool,
+        deadline: float | None,
+        cohorts: dict[_Key, Cohort | _Solo],
+        key: _Key,
+    ) -> bool:
+        """`_local_acquisition` with no other task of this process wanting the lock: through
+        Redis, as the cohort's contender would, with a cohort's token (its fence block
+        reserved); a cohort made meanwhile takes the outcome over (`Cohort.take_over`)."""
+        solo: _Solo = (self, task, 0.0)
+        cohorts[key] = solo
+        grant = None
+        try:
+            grant = await self._acquire_grant(context, self._local_handoff, blocking, deadline)
+        finally:
+            found = cohorts.get(key)
+            if found is solo:
+                if grant is None:
+                    del cohorts[key]
+                else:
+                    self._hold(context, task, grant)
+                    cohorts[key] = (self, task, _clock.monotonic())
+            elif isinstance(found, Cohort):
+                found.contended(self, task, grant)
+        return grant is not None
+
+    def _leave_alone(self, context: ClientContext, holding: Holding) -> Cohort | None:
+        """The cohort of `holding` (a local hand-off one), which leaves this process
+        (released or detached); None if it was held alone, which it no longer is."""
+        cohorts = cohorts_of(context)
+        key = (self._spec.channel, self._ttl_ms, self._local_handoff)
+        found = cohorts.get(key)
+        if isinstance(found, Cohort):
+            return found
+        if found is not None and found[0] is self and found[1] is holding.task:
+            del cohorts[key]
+        return None
 
     async def _acquire_grant(
         self, context: ClientContext, local_handoff: int, blocking: bool, deadline: float | None
@@ -466,6 +526,7 @@ class LeasedLock(AsyncWithOnly):
             _telemetry.on_release(self._spec, holding.token)
         context = context_for(self._client)
         in_cohort = self._local_handoff and is_cohort_token(holding.token)
+        cohort = self._leave_alone(context, holding) if in_cohort else None
         if holding.is_lost:
             if not in_cohort:
                 self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
@@ -481,8 +542,7 @@ class LeasedLock(AsyncWithOnly):
             # was released or lost cannot be told, and the report must not wait.
             valid_until = None if holding.lease is None else holding.lease.valid_until
             try:
-                if in_cohort:
-                    cohort = cohort_for(context, self._spec, self._ttl_ms, self._local_handoff)
+                if cohort is not None:
                     answer = await cohort.release(self, holding, valid_until)
                 else:
                     answer = await self._release_surely(context, holding)
@@ -535,8 +595,7 @@ class LeasedLock(AsyncWithOnly):
         self._uncap(holding)
         context = context_for(self._client)
         if self._local_handoff and is_cohort_token(holding.token):
-            key = (self._spec.channel, self._ttl_ms, self._local_handoff)
-            cohort = cohorts_of(context).get(key)
+            cohort = self._leave_alone(context, holding)
             if cohort is not None:
                 cohort.detach(holding)  # drops the lease from the keeper if it is the cohort's
         self._stop_renewal(context, holding)
@@ -744,20 +803,17 @@ class _LocalWaiter:
         self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
 
 
-def cohorts_of(context: ClientContext) -> dict[_Key, Cohort]:
-    """The cohorts of `context`, by (channel, ttl_ms, local_handoff); idle ones leave."""
-    cohorts: dict[_Key, Cohort] = context.keep("cohorts", dict)
+# A task of this process acquiring (since 0.0) or holding (since when it got it) a lock alone,
+# no other task of the process wanting it: (its lock, the task, since). It stands in for a
+# cohort, and a second task that comes makes the cohort, which takes it over.
+_Solo = tuple[LeasedLock, asyncio.Task[Any], float]
+
+
+def cohorts_of(context: ClientContext) -> dict[_Key, Cohort | _Solo]:
+    """The cohorts of `context` (or the task alone in one's place), by (channel, ttl_ms,
+    local_handoff); idle ones leave."""
+    cohorts: dict[_Key, Cohort | _Solo] = context.keep("cohorts", dict)
     return cohorts
-
-
-def cohort_for(context: ClientContext, spec: _spec.Spec, ttl_ms: int, local_handoff: int) -> Cohort:
-    """The cohort of this process for one lock and one setting of ttl and local_handoff."""
-    key = (spec.channel, ttl_ms, local_handoff)
-    cohorts = cohorts_of(context)
-    cohort = cohorts.get(key)
-    if cohort is None:
-        cohort = cohorts[key] = Cohort(context, spec, ttl_ms, local_handoff)
-    return cohort
 
 
 def cohort_token(token: str, local_handoff: int) -> str:
@@ -858,23 +914,60 @@ class Cohort:
         try:
             grant = await lock._acquire_grant(self._context, self.local_handoff, blocking, deadline)
         finally:
-            self._contending = False
-            if grant is None:
-                self._promote()
+            self._contended(lock, task, grant)
+        return grant is not None
+
+    def _contended(
+        self, lock: LeasedLock, task: asyncio.Task[Any], grant: _spec.Grant | None
+    ) -> None:
+        """The contender's acquisition through Redis ended: `task` holds the cohort's lease
+        now, or (no `grant`) the next waiting task contends."""
+        self._contending = False
         if grant is None:
-            return False
+            self._promote()
+            return
         self.token = grant.token
         self._next_fence = grant.fence + 1
         self.passes = 0
         self._chain_start = _clock.monotonic()
-        give_back = functools.partial(
-            _release.release, self._context, self._spec, grant.token, self._ttl_ms
-        )
-        lease = lock._new_lease(grant, Callbacks(self._lost, give_back))
+        lease = lock._new_lease(grant, self._owner(grant.token))
         self._lease = lease
         self._context.keeper.hold(lease)
         self._give(lock, task, grant.fence)
-        return True
+
+    def contended(
+        self, lock: LeasedLock, task: asyncio.Task[Any], grant: _spec.Grant | None
+    ) -> None:
+        """The acquisition of a task that was alone when it began (`take_over`) ended."""
+        self._contended(lock, task, grant)
+        self._retire_if_idle()
+
+    def take_over(self, solo: _Solo) -> None:
+        """Made as a second task comes: the task that was alone is the cohort's contender if
+        it still acquires, else its holder (its lease the cohort's from now on, the chain
+        started when it got it); a holding lost meanwhile is left to its release."""
+        lock, task, since = solo
+        holding = lock._holdings.get(task)
+        if holding is None:
+            self._contending = True
+            return
+        lease = holding.lease
+        if holding.is_lost or lease is None:
+            return
+        self.token, self._lease = holding.token, lease
+        self._next_fence = holding.fence + 1
+        self.passes = 0
+        self._chain_start = self._held_since = since
+        self._holder = (lock, holding)
+        lease.owned_by(self._owner(holding.token))
+
+    def _owner(self, token: str) -> Callbacks:
+        """The cohort as the owner of its lease of `token`: told of its loss, and how it is
+        given back at the loop's end."""
+        give_back = functools.partial(
+            _release.release, self._context, self._spec, token, self._ttl_ms
+        )
+        return Callbacks(self._lost, give_back)
 
     def _give(self, lock: LeasedLock, task: asyncio.Task[Any], fence: int) -> None:
         assert self.token is not None and self._lease is not None

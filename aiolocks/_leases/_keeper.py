@@ -146,6 +146,10 @@ class Lease:
         self.valid_until = validity(sent_at, self.ttl)
         self.next_due = sent_at + self.ttl / 3
 
+    def owned_by(self, owner: LeaseOwner) -> None:
+        """Tell `owner` of its loss from now on (a cohort takes over a holding's lease)."""
+        self.owner = owner
+
     def due_at(self, when: float) -> None:
         """Renew it at `when` (the keeper goes by it once the lease is held again)."""
         self.next_due = when
@@ -713,22 +717,18 @@ class LeaseKeeper:
             heapq.heappop(heap)
             for lease in bucket:
                 if lease.queued == due and lease in self._leases:
-                    self._take(lease, now, horizon, leases)
+                    self._take(lease, now, leases)
         if leases or groups:
             batch = asyncio.get_running_loop().create_task(self._renew(leases, groups, now))
             self._batches.add(batch)
             batch.add_done_callback(self._settled)
 
-    def _take(self, lease: Lease, now: float, horizon: float, leases: list[Lease]) -> None:
+    def _take(self, lease: Lease, now: float, leases: list[Lease]) -> None:
+        # (Its entry is live, so it is due as pushed: whatever moves a held lease's due
+        # pushes it anew, as a cohort's kept lease is dropped and held again.)
         lease.queued = None
-        if self._lapsed(lease, now):
-            return
-        moved = min(lease.next_due, lease.valid_until)
-        if moved > horizon:  # renewed meanwhile by other means (a cohort keeping it)
-            lease.queued = moved
-            self._push(moved, lease)
-            return
-        leases.append(lease)
+        if not self._lapsed(lease, now):
+            leases.append(lease)
 
     def _settled(self, batch: asyncio.Task[None]) -> None:
         self._batches.discard(batch)
