@@ -108,9 +108,18 @@ async def main(replica: str, url: str) -> None:
         signal.SIGTERM, signal.raise_signal, signal.SIGINT
     )
     client = redis.Redis.from_url(url)
+    tasks = [
+        asyncio.create_task(lead_or_follow(client, replica)),
+        asyncio.create_task(follow(client)),
+    ]
     try:
-        await asyncio.gather(lead_or_follow(client, replica), follow(client))
+        await asyncio.gather(*tasks)
     finally:
+        # The tasks end first (the leader resigns; 5 s at most: the server may be gone
+        # too), then the client closes: a closed client is used no more.
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=5)
         await client.aclose()
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from .._base import _adapter
 from .._base._clients import AnyRedis
+from .._base._errors import EngineClosed
 from .._leases._keeper import LeaseKeeper
 from .._transport._runner import ScriptRunner
 from .._waiting._notifier import Notifier
@@ -55,9 +56,23 @@ def context_for(client: AnyRedis) -> ClientContext:
         setattr(client, _ATTRIBUTE, per_loop)
     context = per_loop.get(loop)
     if context is None or context.closed:
+        if context is not None and context.closed_by_user:
+            # No fresh engine on a client its user closed (`refuse_calls`): it would open
+            # connections the user has just closed, and arm timers past the loop's end.
+            raise EngineClosed(_adapter.describe(client))
         _check_other_loops(client, per_loop, loop)
         context = per_loop[loop] = ClientContext(client)
+        _adapter.on_aclose(client, _closed_by_user)
     return context
+
+
+async def _closed_by_user(client: AnyRedis) -> None:
+    """The user closes `client` (`aclose()`): the engine's state for it on this loop ends
+    first (`ClientContext.client_closed`), and stays: a later call on this loop raises
+    `ClientClosed` (`context_for`); a later loop may use the client again."""
+    context = open_context(client)
+    if context is not None:
+        await context.client_closed()
 
 
 def open_context(client: AnyRedis) -> ClientContext | None:
@@ -190,6 +205,20 @@ class ClientContext(ScriptRunner):
         watcher, self._loop_end = self._loop_end, None
         if watcher is not None:
             await watcher.aclose()
+
+    async def client_closed(self) -> None:
+        """Its user closes the client: the engine stops using it at once. No call is made
+        on it any more (each would open a connection the user has just closed); every
+        holding is reported lost (it can be neither renewed nor released: its lease ends on
+        the server by its ttl), and every wait ends with `ClientClosed`."""
+        self.refuse_calls()
+        self.closed = True  # (nothing is given back in the background either)
+        self.keeper.lose_all(
+            "the Redis client was closed (aclose()): the lease can be neither renewed nor "
+            "released, and ends on the server by its ttl"
+        )
+        self.waitqueue.recheck_all()  # each wait's next call raises ClientClosed
+        await self.aclose()
 
     async def _stop(self) -> None:
         self.closed = True
