@@ -6,13 +6,14 @@ from dataclasses import dataclass
 from typing import final
 
 from ._base import _spec
+from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._base._query import query
 from ._base._telemetry import Counters
 from ._engine._leasedlock import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF, LeasedLock
-from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
+from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback, validate_int
 from ._scripts import Script, load
 
 __all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
@@ -54,14 +55,6 @@ def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spe
         renew_keys=(owner, fence),
         counters=Counters() if counters is None else counters,
     )
-
-
-def _validate_local_handoff(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"local_handoff must be an int, not {type(value).__name__}")
-    if not 0 <= value <= MAX_LOCAL_HANDOFF:
-        raise ValueError(f"local_handoff must be between 0 and {MAX_LOCAL_HANDOFF}, got {value}")
-    return value
 
 
 @final
@@ -112,7 +105,7 @@ class RedisMutex(LeasedLock):
         a `ValueError`)."""
         if local_handoff is None:  # the default: a cohort, unless max_hold needs strict FIFO
             local_handoff = 0 if max_hold is not None else DEFAULT_LOCAL_HANDOFF
-        self._local_handoff = _validate_local_handoff(local_handoff)
+        self._local_handoff = validate_int(local_handoff, "local_handoff", 0, MAX_LOCAL_HANDOFF)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
             replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,
@@ -140,11 +133,9 @@ class RedisMutex(LeasedLock):
             pipe.llen(queue)  # type: ignore[arg-type]  # bytes: valkey-py's hints say str
             pipe.get(fence)
             token, pttl, length, last = await pipe.execute()
-        if isinstance(token, bytes):
-            token = token.decode()
         return MutexInfo(
             name=self._name,
-            owner=token,
+            owner=None if token is None else text(token),
             lease_remaining_ms=int(pttl) if token is not None and int(pttl) >= 0 else None,
             queue_length=int(length),
             fence=int(last or 0),

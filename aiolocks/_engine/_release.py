@@ -29,7 +29,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from .._base import _clock, _telemetry
 from .._base._adapter import text
-from .._base._errors import AUTHENTICATION_ERRORS, cancelling
+from .._base._errors import AUTHENTICATION_ERRORS, EngineClosed, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec
 from .._leases._keeper import Lease
 from .._scripts import Script
@@ -99,14 +99,17 @@ _RELEASED = {status.value: status for status in Released}
 
 
 class ReleaseReply(NamedTuple):
-    """The release script's reply: {status, grants...}, or {KEPT, fence}."""
+    """The release script's reply: {status, grants...}, or {KEPT, fence}; a status alone
+    may come as an integer (a mutex's free release, mutex_release.lua)."""
 
     status: Released
     grants: tuple[Granted, ...] = ()
     fence: int = 0  # KEPT: the first fence of the block the holder keeps passing from
 
     @classmethod
-    def decode(cls, reply: Sequence[Any]) -> ReleaseReply:
+    def decode(cls, reply: Sequence[Any] | int) -> ReleaseReply:
+        if isinstance(reply, int):
+            return cls(_RELEASED[reply])
         status = _RELEASED[int(reply[0])]
         if status is Released.KEPT:
             return cls(status, (), int(reply[1]))
@@ -187,7 +190,7 @@ async def granting(
     at once, so one the script made owner learns it now rather than at its next heartbeat
     (the acquire script answers "granted" to an owner).
     """
-    reply, _ = await _granting(context, spec, script, args, retry, sent)
+    reply: list[Any] = (await _granting(context, spec, script, args, retry, sent))[0]
     return reply
 
 
@@ -198,11 +201,11 @@ async def _granting(
     args: tuple[Any, ...],
     retry: bool,
     sent: Callable[[float], None] | None,
-) -> tuple[list[Any], bool]:
+) -> tuple[Any, bool]:
     """`granting`, and whether a first call was cut off (the reply is then the second's)."""
     for again in (False, True):
         try:
-            reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
+            reply: Any = await context.run(script, spec.keys, args, retry=False, sent=sent)
             return reply, again
         except BaseException as exc:
             context.waitqueue.recheck_all(spec.channel)
@@ -301,8 +304,10 @@ def give_back_lost(
     clean-up (`background_release`). A lease that ran out of validity on this side may
     still be the token's on the server (a renewal ran there, its reply late): the name
     would stay owned by a token no task holds, while others wait, until its holder's
-    task released it (as late as it likes) or its ttl ended."""
-    background_release(context, spec, token, ttl_ms, call)
+    task released it (as late as it likes) or its ttl ended. Not on a closed client (its
+    user closed it: the engine makes no call on it)."""
+    if not context.closed:
+        background_release(context, spec, token, ttl_ms, call)
 
 
 def _cut_short(
@@ -345,6 +350,9 @@ async def _retried(
             return
         except asyncio.CancelledError:
             raise  # the loop is shutting down
+        except EngineClosed:
+            log.debug("aiolocks: clean-up of %r (token %s) dropped: client closed", name, token)
+            return  # its user closed the client: the server forgets the token by its ttl
         except Exception as exc:
             if cancelling():
                 # The cancellation met a connect or a socket and came out of redis-py as a
