@@ -525,12 +525,13 @@ class LeasedLock(AsyncWithOnly):
         if _telemetry.recorder is not None:
             _telemetry.on_release(self._spec, holding.token)
         in_cohort = self._local_handoff and is_cohort_token(holding.token)
-        cohort = self._leave_alone(context, holding) if in_cohort else None
         if holding.is_lost:
             lost = open_context(self._client)  # None: its client was closed since
-            if lost is not None and not in_cohort:
-                self._stop_renewal(lost, holding)  # a cohort's lease is the cohort's to drop
             if lost is not None:
+                if in_cohort:
+                    self._leave_alone(lost, holding)  # (a cohort's lease is the cohort's to drop)
+                else:
+                    self._stop_renewal(lost, holding)
                 # Best-effort: the key is gone or someone else's; this only tidies the
                 # queue, and never delays the report (a link that stalled may be why).
                 until = _clock.monotonic() + _release.GRACE
@@ -539,6 +540,7 @@ class LeasedLock(AsyncWithOnly):
                 )
             raise self._lost_error(holding)
         context = context_for(self._client)
+        cohort = self._leave_alone(context, holding) if in_cohort else None
         with map_redis_errors(self._name):
             # Waited for no longer than the lease is known valid: past that, whether it
             # was released or lost cannot be told, and the report must not wait.
