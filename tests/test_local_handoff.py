@@ -21,6 +21,7 @@ from _servers import arun_workers
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockLost, RedisMutex
+from aiolocks._base import _clock
 from aiolocks._engine import _leasedlock
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import cohorts_of
@@ -181,6 +182,35 @@ async def test_a_remote_waiter_waits_at_most_the_time_bound(url: str) -> None:
     ahead = await holdings_ahead_of_a_remote_waiter(url, "timed", 10_000, 0.001)
     limit = round(_leasedlock.CHAIN_BOUND / 0.001)  # holdings of >= 1 ms in the time bound
     assert ahead <= limit + 2, ahead
+
+
+async def test_nobody_waiting_elsewhere_the_chain_stays_past_the_time_bound(
+    r: redis.asyncio.Redis,
+) -> None:
+    """Issue 45: while nobody waits in another process, local holdings go on passing the
+    lease past CHAIN_BOUND (only a holding of CHAIN_BOUND or more goes back to Redis): the
+    chain leaves the process only once a waiter elsewhere is announced. Counted by the fence
+    blocks the chain took from Redis (a `keep` starts a new block: the fences jump)."""
+    mutex = RedisMutex(r, "quiet", ttl=10, local_handoff=10_000)
+    fences: list[int] = []
+    long = 0  # holdings that may have lasted CHAIN_BOUND (a loaded machine's slow sleeps)
+    started = _clock.monotonic()
+
+    async def hold() -> None:
+        nonlocal long
+        for _ in range(25):
+            async with mutex:
+                began = _clock.monotonic()
+                fences.append(mutex.fencing_token or 0)
+                await asyncio.sleep(0.001)
+                long += _clock.monotonic() - began >= _leasedlock.CHAIN_BOUND / 2
+
+    await asyncio.gather(*(hold() for _ in range(4)))
+    elapsed = _clock.monotonic() - started
+    blocks = 1 + sum(b != a + 1 for a, b in itertools.pairwise(fences))
+    # The first chain counts from its start (its subscription was not confirmed when it came
+    # from Redis); the rest stay. The old rule took a block per 10 ms: elapsed / 11 ms.
+    assert blocks <= 2 + long, (blocks, long, f"{elapsed:.3f} s")
 
 
 async def fence_of(mutex: RedisMutex) -> int | None:

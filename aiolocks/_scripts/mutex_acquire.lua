@@ -5,6 +5,7 @@
 -- KEYS[4] fence    STRING fencing counter, a hybrid logical clock (grant_fence, _prelude.lua)
 -- ARGV[1] member   "<token>:<ttl_ms>:<tag>:x" (see _prelude.lua)
 -- ARGV[2] 'wait' to queue when busy, 'try' not to    ARGV[3] channel for grants
+-- Queued behind a local hand-off cohort's token, it tells the cohort (tell_cohort).
 -- Returns {1, fence} when the caller holds it (also when it already did: idempotent),
 --         {0, pttl, floor} when queued behind a holder with pttl ms of lease left,
 --         {-1, pttl, floor} when busy and the caller did not queue;
@@ -63,6 +64,7 @@ end
 
 if mode == 'wait' then
   enqueue(queue, waiters, member, now, ttl)
+  tell_cohort(channel, current)
   return {0, redis.call('PTTL', owner), fence_floor(fence_key, stored)}
 end
 return {-1, redis.call('PTTL', owner), fence_floor(fence_key, stored)}

@@ -208,10 +208,7 @@ class Notifier:
                 channel = self._channels[wake] = _Channel(wake, keyspace, link)
                 if keyspace is not None:
                     self._by_keyspace[keyspace] = wake
-        channel.refs += 1
-        if channel.linger is not None:
-            channel.linger.cancel()
-            channel.linger = None
+        self._take(channel)
         try:
             if channel.confirmed is None:
                 channel.confirmed = asyncio.get_running_loop().create_future()
@@ -230,6 +227,22 @@ class Notifier:
         except BaseException:
             self.release(wake)  # cancelled: the caller never got the reference
             raise
+
+    def retain_now(self, wake: bytes) -> bool:
+        """`retain` without waiting, for a channel subscribed already (e.g. lingering): the
+        reference is taken, True; False (and none taken) when it would subscribe."""
+        channel = self._channels.get(wake)
+        if channel is None or channel.confirmed is None:
+            return False
+        self._take(channel)
+        return True
+
+    @staticmethod
+    def _take(channel: _Channel) -> None:
+        channel.refs += 1
+        if channel.linger is not None:
+            channel.linger.cancel()
+            channel.linger = None
 
     def release(self, wake: bytes) -> None:
         """Drop a reference taken by `retain`; the channel lingers before unsubscribing."""
