@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -126,11 +127,16 @@ async def test_four_processes_of_sixteen_tasks(r: redis.asyncio.Redis, url: str)
 
 
 async def holdings_ahead_of_a_remote_waiter(
-    url: str, name: str, local_handoff: int, body: float
+    url: str,
+    name: str,
+    local_handoff: int,
+    body: float,
+    before: Callable[[redis.asyncio.Redis, redis.asyncio.Redis], Awaitable[None]] | None = None,
 ) -> int:
     """Eight local tasks keep passing `name` around (`local_handoff`, each holding
     `body` s) while a waiter of another client (another process, as far as the lock can
-    tell) queues: how many local holdings began after it queued and before it got in."""
+    tell) queues: how many local holdings began after it queued and before it got in.
+    `before(local, remote)` runs once the local chain has begun, before the waiter comes."""
     local = redis.asyncio.Redis.from_url(url)
     remote = redis.asyncio.Redis.from_url(url)
     probe = QueueProbe(remote)
@@ -150,6 +156,8 @@ async def holdings_ahead_of_a_remote_waiter(
 
         spinners = [asyncio.create_task(spin()) for _ in range(8)]
         await asyncio.wait_for(started.wait(), 10)
+        if before is not None:
+            await before(local, remote)
         mutex = RedisMutex(remote, name, ttl=10)
         assert await mutex.acquire(timeout=20)
         remote_fence = mutex.fencing_token
@@ -211,6 +219,24 @@ async def test_nobody_waiting_elsewhere_the_chain_stays_past_the_time_bound(
     # The first chain counts from its start (its subscription was not confirmed when it came
     # from Redis); the rest stay. The old rule took a block per 10 ms: elapsed / 11 ms.
     assert blocks <= 2 + long, (blocks, long, f"{elapsed:.3f} s")
+
+
+async def test_a_cohort_whose_link_is_lost_counts_from_its_chain_start(url: str) -> None:
+    """Issue 45: a cohort that heard nobody wait elsewhere (its chain stays in the process)
+    loses its pub/sub link just before a waiter of another client queues, so the news of it
+    is lost: from the loss on, the cohort counts its time bound from the chain's start
+    again, and the waiter gets in after about ten 1 ms holdings, as with the old rule (a
+    cohort that trusted its lost link passed on until the link came back)."""
+
+    async def quiet_then_kill(local: redis.asyncio.Redis, remote: redis.asyncio.Redis) -> None:
+        await asyncio.sleep(0.3)  # past the first chain's 10 ms: kept, nobody waiting
+        (cohort,) = cohorts_of(context_for(local)).values()
+        assert cohort._waited_since is None  # watching, and nobody waits elsewhere
+        await remote.client_kill_filter(_type="pubsub")  # the remote has none yet
+
+    ahead = await holdings_ahead_of_a_remote_waiter(url, "relinked", 10_000, 0.001, quiet_then_kill)
+    limit = round(_leasedlock.CHAIN_BOUND / 0.001)
+    assert ahead <= limit + 2, ahead
 
 
 async def fence_of(mutex: RedisMutex) -> int | None:

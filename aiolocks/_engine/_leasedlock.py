@@ -803,9 +803,7 @@ class Cohort:
         self._waited_since: float | None = 0.0
         self._news = 0  # announcements and re-syncs heard (none between call and answer?)
         self._queued = spec.channel + b":queued"  # the acquire script's `tell_cohort`
-        self._listening = False
-        self._retained = False  # it holds a reference on the `_queued` subscription
-        self._subscribing: asyncio.Task[None] | None = None
+        self._listening = False  # with a reference on the `_queued` subscription
         self._held_since = 0.0  # when the current holder got it
         self._holder: tuple[LeasedLock, Holding] | None = None
 
@@ -977,39 +975,21 @@ class Cohort:
         """Be told when a waiter queues elsewhere behind the cohort's token (the acquire
         script's `tell_cohort`), from its first local waiter on (an uncontended cycle
         subscribes to nothing); the subscription is the notifier's, as a waiter's."""
-        self._listening = True
         notifier = self._context.notifier
+        if not notifier.retain_soon(self._queued):
+            return  # no link for it yet: tried again at the next local waiter
+        self._listening = True
         notifier.listen(self._queued, self._heard)
-        if self._retained or self._subscribing is not None:
-            return
-        if notifier.retain_now(self._queued):
-            self._retained = True
-            return
-        task = asyncio.get_running_loop().create_task(notifier.retain(self._queued, None))
-        self._subscribing = task
-        task.add_done_callback(self._subscribed)
-
-    def _subscribed(self, task: asyncio.Task[None]) -> None:
-        if self._subscribing is task:
-            self._subscribing = None
-        if task.cancelled() or task.exception() is not None:
-            return  # no reference taken (`_watching` stays False: the chain's start rules)
-        if self._listening:
-            self._retained = True
-        else:
-            self._context.notifier.release(self._queued)  # it stopped listening meanwhile
 
     def _unlisten(self) -> None:
         self._listening = False
         notifier = self._context.notifier
         notifier.unlisten(self._queued, self._heard)
-        if self._retained:
-            self._retained = False
-            notifier.release(self._queued)
+        notifier.release(self._queued)
 
     def _watching(self) -> bool:
         """Whether a waiter queueing elsewhere now would be announced to it."""
-        return self._retained and self._context.notifier.watching(self._queued)
+        return self._listening and self._context.notifier.watching(self._queued)
 
     def _heard(self, hint: Hint, payload: bytes) -> None:
         """A waiter queued elsewhere behind the token `payload` (MESSAGE), or announcements
@@ -1147,3 +1127,4 @@ class Cohort:
             lock, holding = holder
             lock._lease_lost(holding, reason)
         self._promote()
+        self._retire_if_idle()
