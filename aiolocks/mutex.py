@@ -12,7 +12,7 @@ from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._base._query import query
 from ._base._telemetry import Counters
 from ._engine._leasedlock import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF, LeasedLock
-from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
+from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback, validate_int
 from ._scripts import Script, load
 
 __all__ = ["MutexInfo", "RedisMutex", "mutex_spec"]
@@ -54,14 +54,6 @@ def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spe
         renew_keys=(owner, fence),
         counters=Counters() if counters is None else counters,
     )
-
-
-def _validate_local_handoff(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"local_handoff must be an int, not {type(value).__name__}")
-    if not 0 <= value <= MAX_LOCAL_HANDOFF:
-        raise ValueError(f"local_handoff must be between 0 and {MAX_LOCAL_HANDOFF}, got {value}")
-    return value
 
 
 @final
@@ -112,7 +104,7 @@ class RedisMutex(LeasedLock):
         a `ValueError`)."""
         if local_handoff is None:  # the default: a cohort, unless max_hold needs strict FIFO
             local_handoff = 0 if max_hold is not None else DEFAULT_LOCAL_HANDOFF
-        self._local_handoff = _validate_local_handoff(local_handoff)
+        self._local_handoff = validate_int(local_handoff, "local_handoff", 0, MAX_LOCAL_HANDOFF)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
             replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,

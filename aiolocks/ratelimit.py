@@ -23,7 +23,7 @@ from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefi
 from ._base._query import AsyncWithOnly
 from ._engine._context import ClientContext, context_for
 from ._engine._release import InFlight, shielded
-from ._engine._settings import validate_timeout
+from ._engine._settings import validate_int, validate_timeout
 from ._scripts import load
 
 __all__ = [
@@ -124,14 +124,6 @@ def _positive(value: object, what: str) -> Fraction:
     return Fraction(value) if isinstance(value, int) else Fraction(repr(value))
 
 
-def _count(value: object, what: str, most: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    if not 1 <= value <= most:
-        raise ValueError(f"{what} must be in 1..{most}, got {value!r}")
-    return value
-
-
 def validate_settings(rate: object, per: object, burst: object) -> Settings:
     """(rate, per, burst, microseconds per permit) if they can be a limiter's settings.
     Raises `TypeError`/`ValueError` naming the argument otherwise. Computed exactly
@@ -151,7 +143,7 @@ def validate_settings(rate: object, per: object, burst: object) -> Settings:
     if burst is None:
         burst, interval = window_settings(exact_rate, exact_per)
     else:
-        burst = _count(burst, "burst", MAX_BURST)
+        burst = validate_int(burst, "burst", 1, MAX_BURST)
         interval = math.ceil(exact_per * 1_000_000 / exact_rate)
     if interval * burst > _MAX_SPAN_US:
         raise ValueError(
@@ -204,7 +196,7 @@ def validate_limits(
 
 def validate_cost(cost: object, burst: int) -> int:
     """`cost` if it is a number of permits one call may take (1..burst); raises if not."""
-    return _count(cost, "cost", burst)
+    return validate_int(cost, "cost", 1, burst)
 
 
 @final

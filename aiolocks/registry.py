@@ -11,6 +11,7 @@ from ._base._clients import AnyRedis, ensure_async_client
 from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace, validate_name, validate_prefix
 from ._engine._context import context_for
+from ._engine._settings import validate_int
 from ._scripts import load
 
 __all__ = ["MAX_NAME_BYTES", "RedisRegistry", "RegistryStatistics"]
@@ -77,11 +78,7 @@ class RedisRegistry:
         self._ids = keys.key("ids")  # HASH name -> id
         self._names = keys.key("names")  # HASH id -> name
         self._counter = keys.key("counter")  # STRING highest id handed out
-        if isinstance(max_name_bytes, bool) or not isinstance(max_name_bytes, int):
-            raise TypeError(f"max_name_bytes must be an int, not {type(max_name_bytes).__name__}")
-        if max_name_bytes < 1:
-            raise ValueError(f"max_name_bytes must be >= 1, got {max_name_bytes!r}")
-        self._max_name_bytes = max_name_bytes
+        self._max_name_bytes = validate_int(max_name_bytes, "max_name_bytes", 1)
         self._requested = 0
         self._waiting = 0
 
@@ -178,8 +175,7 @@ class RedisRegistry:
         never blocks the server the way `HGETALL` would; unlike `HSCAN`, no pair is seen
         twice. Names registered while iterating are included.
         """
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        validate_int(batch, "batch", 1)
         first = 1
         while True:
             last = first + batch - 1

@@ -13,7 +13,7 @@ from ._base._query import query
 from ._engine import _release
 from ._engine._context import context_for
 from ._engine._leasedlock import LeasedLock
-from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback
+from ._engine._settings import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TTL, LostCallback, validate_int
 from ._scripts import Script, load
 
 __all__ = ["RedisSemaphore", "SemaphoreInfo"]
@@ -40,16 +40,6 @@ class SemaphoreInfo:
 # The largest limit: stored and compared exactly by the Lua scripts (numbers are doubles,
 # written with 14 significant digits).
 MAX_LIMIT = 2**31 - 1
-
-
-def _validate_limit(limit: object) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int):
-        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    if limit > MAX_LIMIT:
-        raise ValueError(f"limit must be at most {MAX_LIMIT}, got {limit}")
-    return limit
 
 
 @final
@@ -83,7 +73,7 @@ class RedisSemaphore(LeasedLock):
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
         max_hold: float | None = None,
     ) -> None:
-        self._limit = _validate_limit(limit)
+        self._limit = validate_int(limit, "limit", 1, MAX_LIMIT)
         super().__init__(
             client,
             name,
@@ -168,7 +158,7 @@ class RedisSemaphore(LeasedLock):
         still configured with the old limit get `LimitMismatch`. Like the rest of the
         name's keys, the stored limit expires once nobody has held or waited for ttl + 1 s.
         """
-        limit = _validate_limit(limit)
+        limit = validate_int(limit, "limit", 1, MAX_LIMIT)
         context = context_for(self._client)
         args = (limit, self._spec.channel, context.waitqueue.tag, self._ttl_ms)
         sent_at = _clock.monotonic()

@@ -248,6 +248,8 @@ async def test_iteration_batch_is_validated() -> None:
     reg = RedisRegistry(_dead_client(), "users")
     with pytest.raises(ValueError, match="batch"):
         await reg.items(batch=0).__anext__()
+    with pytest.raises(TypeError, match="batch must be an int, not str"):
+        await reg.items(batch="10").__anext__()  # type: ignore[arg-type]
 
 
 async def test_an_unreachable_server_fails_every_coalesced_caller() -> None:

@@ -114,3 +114,30 @@ def test_a_seed_replays_identically() -> None:
     assert first.returncode == 0, first.stdout[-3000:]
     assert first.stdout == second.stdout
     assert first.stdout.count("\n") > 1000  # a real trace (commands, replies, faults)
+
+
+def test_overlapping_latency_faults_leave_the_link_at_its_own_latency() -> None:
+    """Two latency faults on one link that end in the other order: the link comes back to
+    its own latency (each fault restored what it saw at its start, so the first to end
+    restored the base and the second then restored the first fault's 0.1 s for good)."""
+    from types import SimpleNamespace
+
+    from sim._workload import _end_latency_fault
+
+    conn: Any = SimpleNamespace(latency=0.0005, base_latency=0.0005, latency_faults=0)
+    for latency in (0.1, 0.4):  # the second starts while the first is on
+        conn.latency, conn.latency_faults = latency, conn.latency_faults + 1
+    _end_latency_fault(conn)  # the first ends: the second's is still on
+    assert conn.latency == 0.4
+    _end_latency_fault(conn)
+    assert conn.latency == 0.0005
+
+
+def test_a_replayed_seed_with_a_crash_prints_nothing_at_exit() -> None:
+    """Seed 125 crashes a process with acquisitions in flight: as a killed process, its tasks
+    never run again, not even their clean-up when the interpreter exits (which printed
+    "no running event loop" tracebacks after the replay's verdict)."""
+    done = _simulate("--seed", "125", "--duration", "20")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "'crash': 1" in done.stdout
+    assert done.stderr == ""

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_TTL",
     "MAX_TTL",
     "LostCallback",
+    "validate_int",
     "validate_max_hold",
     "validate_replica_timeout",
     "validate_replicas",
@@ -32,6 +33,17 @@ DEFAULT_REPLICA_TIMEOUT = 1.0
 MAX_TTL = 1e9
 
 LostCallback = Callable[[LockLost], object]
+
+
+def validate_int(value: object, what: str, low: int, high: int | None = None) -> int:
+    """`value` if it is an int (not a bool) in `low`..`high` (None: no upper bound); raises
+    `TypeError`/`ValueError` naming `what` if not. Every count an argument gives."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{what} must be {bounds}, got {value!r}")
+    return value
 
 
 def _seconds(value: object, what: str, expected: str) -> float:
@@ -54,15 +66,12 @@ def validate_timeout(timeout: object, what: str = "timeout") -> float | None:
 
 
 def validate_replicas(replicas: object, client: AnyRedis) -> int:
-    if isinstance(replicas, bool) or not isinstance(replicas, int):
-        raise TypeError(f"replicas must be an int, not {type(replicas).__name__}")
-    if replicas < 0:
-        raise ValueError(f"replicas must be >= 0, got {replicas!r}")
-    if replicas and is_cluster(client):
+    count = validate_int(replicas, "replicas", 0)
+    if count and is_cluster(client):
         # WAIT must follow the grant on the same connection, to the same node: a Cluster
         # pipeline sends a keyless WAIT to any node.
         raise ValueError("replicas= is not supported with a RedisCluster client")
-    return replicas
+    return count
 
 
 def validate_replica_timeout(timeout: object) -> int:

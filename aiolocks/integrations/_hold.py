@@ -20,9 +20,9 @@ from typing import TypedDict
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import AccessDenied, LockError, LockLost, LockTimeout, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
-from .._engine._settings import DEFAULT_TTL, validate_timeout, validate_ttl
+from .._engine._settings import DEFAULT_TTL, validate_int, validate_timeout, validate_ttl
 from ..mutex import RedisMutex
-from ..semaphore import RedisSemaphore, _validate_limit
+from ..semaphore import MAX_LIMIT, RedisSemaphore
 
 __all__ = [
     "HeldLock",
@@ -186,7 +186,7 @@ class LockPolicy:
         validate_ttl(self.ttl)
         validate_timeout(self.timeout)
         if self.limit is not None:
-            _validate_limit(self.limit)
+            validate_int(self.limit, "limit", 1, MAX_LIMIT)
         validate_prefix(self.prefix)
         status_code(self.busy_status, "busy_status", 400)
         status_code(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx

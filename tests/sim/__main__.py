@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             status |= report(result, options, always=not options.all_scenarios)
         return status
     if options.seed is not None:
-        result = run(options.seed, options.duration)
+        seed, duration = options.seed, options.duration
+        result = _forked(lambda: run(seed, duration), f"seed {seed}", seed)
         return report(result, options, always=options.full_trace)
     if options.seeds:
         first, _, last = options.seeds.partition("-")
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def isolated(seed: int, duration: float) -> Result:
     """Run `seed` in a forked child, so that no state of an earlier run (the engine's
-    module-level caches, garbage) changes its schedule: the same as `--seed N` alone."""
+    module-level caches, garbage) changes its schedule: the same as `--seed N`, which runs
+    in one too."""
     from ._workload import run
 
     return _forked(lambda: run(seed, duration, trace=False), f"seed {seed}", seed)
@@ -115,6 +117,10 @@ def isolated_scenario(name: str) -> Result:
 
 
 def _forked(play: Callable[[], Result], what: str, seed: int) -> Result:
+    """Run `play` in a child that ends with `os._exit`: as a killed process would, the tasks
+    of the run's crashed processes never run again, not even their clean-up at the
+    interpreter's exit (in-process, their `finally` blocks ran then, without a loop, and
+    printed "no running event loop")."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -378,6 +378,8 @@ class Conn:
         # The wire: FIFO each way, with a latency the simulator sets (and may change).
         self.latency = net.rng.choice((0.0002, 0.0005, 0.001, 0.003))
         self.jitter = self.latency / 2
+        self.base_latency = self.latency  # what a latency fault returns it to
+        self.latency_faults = 0  # latency faults in progress (they may overlap)
         self.up_at = 0.0  # when the last client -> server bytes arrive
         self.down_at = 0.0
         self.stalled_until = net.paused_until

@@ -26,6 +26,7 @@ from aiolocks import (
 )
 
 from ._loop import Proc, proc_of_task
+from ._net import Conn
 from ._world import (
     GRANT_BOUND,
     LOST_SLACK,
@@ -542,10 +543,10 @@ class Run:
                 conn = rng.choice(conns)
             world.fault(kind, conn.proc)
             if kind == "latency":
-                old = conn.latency
                 conn.latency = rng.choice((0.02, 0.1, 0.4))
+                conn.latency_faults += 1
                 world.net.log(f"{conn.proc.name} c{conn.id} LATENCY {conn.latency}")
-                loop.call_later(rng.uniform(0.1, 2.0), setattr, conn, "latency", old)
+                loop.call_later(rng.uniform(0.1, 2.0), _end_latency_fault, conn)
             elif kind == "stall":
                 conn.stall(rng.choice((0.1, 0.5, 1.5, 3.0)))
             elif kind == "reset":
@@ -702,3 +703,12 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 
 __all__ = ["Resource", "Run", "aiolocks", "run"]
+
+
+def _end_latency_fault(conn: Conn) -> None:
+    """A latency fault ends; the link's own latency comes back when the last overlapping one
+    has ended (restoring what each saw at its start left a link slow for good when two
+    overlapped and ended in the other order)."""
+    conn.latency_faults -= 1
+    if not conn.latency_faults:
+        conn.latency = conn.base_latency
