@@ -6,6 +6,7 @@ on cancellation at every await.
 """
 
 from ._base._errors import AccessDenied as AccessDenied
+from ._base._errors import ClientClosed as ClientClosed
 from ._base._errors import LimitMismatch as LimitMismatch
 from ._base._errors import LockError as LockError
 from ._base._errors import LockLost as LockLost
@@ -38,6 +39,7 @@ from .semaphore import SemaphoreInfo as SemaphoreInfo
 
 __all__ = (
     "AccessDenied",
+    "ClientClosed",
     "ElectionInfo",
     "LeaderInfo",
     "Limit",

@@ -252,11 +252,15 @@ class RedisElection:
         )  # fmt: skip
         return _Campaign(candidacy)
 
-    async def _state(self) -> State:
-        spec = self._probe._spec
+    async def _inspect(self) -> list[Any]:
         with map_redis_errors(self.name):
-            reply = await context_for(self._probe._client).run(_INSPECT, spec.keys, ())
-        token, value, term, pttl, rev, last, _, clock = reply
+            reply: list[Any] = await context_for(self._probe._client).run(
+                _INSPECT, self._probe._spec.keys, ()
+            )
+        return reply
+
+    async def _state(self) -> State:
+        token, value, term, pttl, rev, last, _, clock = await self._inspect()
         if token is None or int(pttl) == -2:
             # Vacant now: after every term granted so far (at most the counter, or the
             # clock once it expired) and before any to come (above both: grant_fence).
@@ -271,10 +275,7 @@ class RedisElection:
 
     async def inspect(self) -> ElectionInfo:
         """The server's view: leader, value, term, lease left, candidates, last fence."""
-        spec = self._probe._spec
-        with map_redis_errors(self.name):
-            reply = await context_for(self._probe._client).run(_INSPECT, spec.keys, ())
-        token, value, term, pttl, _, last, queued, _ = reply
+        token, value, term, pttl, _, last, queued, _ = await self._inspect()
         held = token is not None and int(pttl) != -2
         return ElectionInfo(
             name=self.name,

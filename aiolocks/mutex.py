@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import final
 
 from ._base import _spec
+from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
@@ -132,11 +133,9 @@ class RedisMutex(LeasedLock):
             pipe.llen(queue)  # type: ignore[arg-type]  # bytes: valkey-py's hints say str
             pipe.get(fence)
             token, pttl, length, last = await pipe.execute()
-        if isinstance(token, bytes):
-            token = token.decode()
         return MutexInfo(
             name=self._name,
-            owner=token,
+            owner=None if token is None else text(token),
             lease_remaining_ms=int(pttl) if token is not None and int(pttl) >= 0 else None,
             queue_length=int(length),
             fence=int(last or 0),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, final
 
 from ._base import _spec
+from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import map_redis_errors
 from ._base._keys import DEFAULT_PREFIX, KeySpace
@@ -171,11 +172,9 @@ class RedisReadWriteLock:
             writer, readers, queue, fence = await context_for(self._read._client).run(
                 _INSPECT, self._read._spec.keys, ()
             )
-        if isinstance(writer, bytes):
-            writer = writer.decode()
         return RWLockInfo(
             name=self.name,
-            writer=writer,
+            writer=None if writer is None else text(writer),
             readers=int(readers),
             queue_length=int(queue),
             fence=int(fence),

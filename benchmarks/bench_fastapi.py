@@ -65,6 +65,7 @@ end
 RATIOS = (
     ("wait / by hand, 2 workers", "wait", "by-hand", 2),
     ("wait / asyncio.Lock, 1 worker", "wait", "floor", 1),
+    ("wait / by hand, 1 worker", "wait", "by-hand", 1),  # request_lock's own cost
     ("refuse / redis-py Lock, 2 workers", "refuse", "redis-py", 2),
     ("refuse / redis-py Lock, 1 worker", "refuse", "redis-py", 1),
     ("by hand / asyncio.Lock, 1 worker", "by-hand", "floor", 1),

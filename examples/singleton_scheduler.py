@@ -96,10 +96,49 @@ async def lifespan(app: Any, url: str = "redis://localhost:6379") -> AsyncIterat
     try:
         yield
     finally:
-        task.cancel()  # a leader resigns on the way out: the next one is elected at once
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop([task])  # a leader resigns on the way out: the next one is elected at once
         await client.aclose()
+
+
+# How long `stop` waits for its tasks to end (a leader's resign; the server may be gone too),
+# and how often within that it cancels again a task that did not end.
+STOP_BOUND = 5.0
+CANCEL_AGAIN = 0.5
+
+
+async def stop(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait until they have ended (the leader resigned), `STOP_BOUND` s at
+    most: only then may their client be closed (a closed client is used no more, and a
+    lease still held on it is left to its ttl). A task still running after `CANCEL_AGAIN`
+    is cancelled again: on Python 3.11 a cancellation can be lost (`asyncio.wait_for`, which
+    redis-py uses for a connection's handshake, returns the call's result and drops a
+    cancellation that comes as the call completes), and the task would lead on."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + STOP_BOUND
+    pending = set(tasks)
+    while pending and loop.time() < until:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(CANCEL_AGAIN, until - loop.time()))
+
+
+async def serve(
+    client: redis.Redis,
+    replica: str,
+    *,
+    job: Job = nightly_report,
+    say: Callable[[str], None] = print,
+) -> None:
+    """Lead or follow, and print the leaders, until cancelled (Ctrl-C); then the leader
+    resigns (`stop`) before this returns."""
+    tasks = [
+        asyncio.create_task(lead_or_follow(client, replica, job=job, say=say)),
+        asyncio.create_task(follow(client, say=say)),
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await stop(tasks)  # the tasks end first, then the caller closes the client
 
 
 async def main(replica: str, url: str) -> None:
@@ -109,7 +148,7 @@ async def main(replica: str, url: str) -> None:
     )
     client = redis.Redis.from_url(url)
     try:
-        await asyncio.gather(lead_or_follow(client, replica), follow(client))
+        await serve(client, replica)
     finally:
         await client.aclose()
 

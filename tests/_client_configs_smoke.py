@@ -408,6 +408,70 @@ async def _dropped(library: str, url: str) -> dict[str, Any]:
     return {"ok": collected == DROPPED and not left, "collected": collected, "left": len(left)}
 
 
+CLOSED_TTL = 2.0  # the holding's lease: lost by its validity's end at the latest
+CLOSED_BOUND = 1.0  # the waiter's error after the close (at once; a timeout would be 8 s)
+
+
+async def _closed(library: str, url: str) -> dict[str, Any]:
+    """A client closed (`aclose()`) while a task holds a lock and another task of the same
+    client waits on it: the wait ends at once with ClientClosed, the holding is reported
+    lost by its validity's end, the engine opens no connection after the close (the
+    server's count of connections received), and none of the client's stays open."""
+    lib = importlib.import_module(f"{library}.asyncio")
+    cls: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis")
+    admin = cls.from_url(url)
+    tag = f"aiolocks-closed-{os.getpid()}"
+    client = cls.from_url(url, client_name=tag)
+    # (strict FIFO: the waiter queued on the server, as another process's would be)
+    holder = RedisMutex(client, tag, ttl=CLOSED_TTL, local_handoff=0)
+    waiter = RedisMutex(client, tag, ttl=CLOSED_TTL, local_handoff=0)
+
+    async def received() -> int:
+        return int((await admin.info("stats"))["total_connections_received"])
+
+    async def wait() -> tuple[str, float]:
+        try:
+            outcome = repr(await waiter.acquire(timeout=4 * CLOSED_TTL))
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        return outcome, time.monotonic()
+
+    try:
+        await holder.acquire()
+        async with _Queued(admin, tag) as queued:
+            waiting = asyncio.create_task(wait())
+            await queued.until(1)
+        await asyncio.sleep(0.2)  # its queue call answered and its channel subscribed
+        before = await received()
+        closed_at = time.monotonic()
+        await client.aclose()
+        outcome, ended = await asyncio.wait_for(waiting, 8 * CLOSED_TTL)
+        try:
+            await asyncio.wait_for(holder.lost.wait(), CLOSED_TTL)
+            lost: float | None = time.monotonic() - closed_at
+        except TimeoutError:
+            lost = None
+        try:
+            await holder.release()
+            released = "released"
+        except Exception as exc:  # LockLost: it was reported lost
+            released = type(exc).__name__
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=QUEUED_BOUND)  # clean-ups and keepers end
+        opened = await received() - before
+        left = len([c for c in await admin.client_list() if c.get("name") == tag])
+    finally:
+        await admin.aclose()
+    waited = ended - closed_at
+    return {
+        "ok": outcome.startswith("ClientClosed") and waited < CLOSED_BOUND and lost is not None
+        and released == "LockLost" and opened == 0 and left == 0,
+        "waiter": outcome, "waited": round(waited, 3), "lost_after": lost,
+        "release": released, "opened_after_close": opened, "left": left,
+    }  # fmt: skip
+
+
 async def run(library: str, url: str, unix: str, only: list[str] | None = None) -> dict[str, Any]:
     lib = importlib.import_module(f"{library}.asyncio")
     admin: Any = getattr(lib, "Valkey" if library == "valkey" else "Redis").from_url(url)
@@ -431,9 +495,13 @@ async def run(library: str, url: str, unix: str, only: list[str] | None = None) 
         exits = await _exits(library, url, configs["default"]) if only is None else {}
         kill_race = await _kill_race(library, url) if only is None else {}
         dropped = await _dropped(library, url) if only is None else {}
+        closed = await _closed(library, url) if only is None else {}
     finally:
         await admin.aclose()
-    return {"configs": results, "exits": exits, "kill_race": kill_race, "dropped": dropped}
+    return {
+        "configs": results, "exits": exits, "kill_race": kill_race, "dropped": dropped,
+        "closed": closed,
+    }  # fmt: skip
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -68,12 +70,11 @@ def server_of(request: pytest.FixtureRequest, server_pool: ServerPool) -> Server
     ("how", "stop", "status"),
     [
         ("return", None, 0),
-        ("close-return", None, 0),
         ("wait", signal.SIGINT, 130),
         ("wait-term", signal.SIGTERM, 143),
         ("wait-term-as-int", signal.SIGTERM, 130),
     ],
-    ids=["return", "close-then-return", "ctrl-c", "sigterm-handled", "sigterm-as-ctrl-c"],
+    ids=["return", "ctrl-c", "sigterm-handled", "sigterm-as-ctrl-c"],
 )
 async def test_a_service_ends_quietly_and_gives_back_what_it_held(
     spawn: Spawn, server_of: ServerProcess, how: str, stop: signal.Signals | None, status: int
@@ -86,6 +87,23 @@ async def test_a_service_ends_quietly_and_gives_back_what_it_held(
     assert worker.stderr == ""
     left = await _keys(server_of.url, prefix)
     assert {key.rsplit(":", 1)[1] for key in left} <= set(_COUNTERS), left
+    assert all(0 < pttl <= 30_000 + _IDLE_MS for pttl in left.values()), left
+
+
+async def test_a_service_that_closes_its_client_first_leaves_its_holdings_to_their_ttl(
+    spawn: Spawn, valkey_notify: ServerProcess
+) -> None:
+    """Issue 40: a client closed under holdings and a waiter stays closed. The holdings are
+    reported lost (their `async with` bodies end with LockLost) and the wait ends with
+    ClientClosed, at once; nothing is released on the closed client (the loop's end used to
+    reconnect it to do so), so the leases end on the server by their ttl; nothing on stderr."""
+    prefix = f"exit-{secrets.token_hex(4)}"
+    worker = await _service(spawn, valkey_notify.url, prefix, 30, "close-return")
+    assert await worker.expect("ended") == ["ended", "LockLost", "LockLost", "ClientClosed"]
+    assert await worker.finish() == 0, worker.stderr
+    assert worker.stderr == ""
+    left = await _keys(valkey_notify.url, prefix)
+    assert {"owner", "holders"} <= {key.rsplit(":", 1)[1] for key in left}, left
     assert all(0 < pttl <= 30_000 + _IDLE_MS for pttl in left.values()), left
 
 
@@ -271,6 +289,51 @@ async def test_the_scheduler_example_stopped_as_leader_resigns_quietly(
         assert await app.finish() == 0
         assert app.stderr == ""
     assert await RedisElection(r, "scheduler").leader() is None  # resigned on the way out
+
+
+@ONE_SERVER
+async def test_the_scheduler_example_resigns_when_a_cancellation_is_lost(
+    r: redis.asyncio.Redis, url: str
+) -> None:
+    """The flake of the test above (issue 40 item 3). On Python 3.11, `asyncio.wait_for`,
+    which redis-py uses for a new connection's handshake, returns the call's result and
+    drops a cancellation that comes as the call completes. The example's first job call
+    opens its client's first connection, so both cancellations of a stop (the gather's and
+    its own) could be lost there: the leader led on, the example's 5 s wait for it ran out,
+    and it closed the client under the holding (left to its ttl: the leader still elected).
+    Here the first job call loses every cancellation that comes while it runs, 0.3 s."""
+    scheduler = _example("singleton_scheduler")
+    loop = asyncio.get_running_loop()
+    elected = asyncio.Event()
+    calls = 0
+
+    async def job(client: redis.asyncio.Redis, replica: str, fence: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            elected.set()
+            until = loop.time() + 0.3
+            while loop.time() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(until - loop.time())  # (the model of a lost cancel)
+
+    client = redis.asyncio.Redis.from_url(url)
+    serving = asyncio.create_task(scheduler.serve(client, "replica-a", job=job, say=str))
+    await asyncio.wait_for(elected.wait(), 10)
+    serving.cancel()  # as Ctrl-C does (asyncio.run cancels its main task)
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    await client.aclose()
+    assert await RedisElection(r, "scheduler").leader() is None  # resigned before the close
+
+
+def _example(name: str) -> Any:
+    """An example program, imported as a module (its `__main__` part not run)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _stop(app: Worker, how: signal.Signals) -> None:

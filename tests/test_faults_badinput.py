@@ -20,15 +20,19 @@ from _faults import close_client, snapshot
 from _servers import ServerProcess, free_port
 
 from aiolocks import (
+    ClientClosed,
     LimitMismatch,
     LockError,
+    LockLost,
     LockNotOwned,
     LockReentry,
+    RedisElection,
     RedisMutex,
     RedisReadWriteLock,
     RedisSemaphore,
     ServerUnavailable,
 )
+from aiolocks._base import _adapter
 
 pytestmark = pytest.mark.faults
 
@@ -454,14 +458,49 @@ async def test_an_infinite_timeout_means_no_timeout(client: redis.asyncio.Redis)
     await mutex.release()
 
 
-async def test_a_closed_client_is_reopened_by_redis_py(client: redis.asyncio.Redis) -> None:
-    """Not bad input either: redis-py opens new connections for a client used after
-    `aclose()`, so its locks keep working (and keep their guarantees)."""
-    mutex = RedisMutex(client, N)
+async def test_a_client_closed_by_its_user_stays_closed_on_its_loop(
+    client: redis.asyncio.Redis, valkey_notify: ServerProcess
+) -> None:
+    """Not bad input either: issue 40, a closed client stays closed. What was held is lost
+    (never released on the closed client: its lease ends on the server by its ttl), and new
+    work on it on this loop (an acquire, a campaign: a service's loop that campaigns again
+    after its LockLost) fails with ClientClosed naming the client and the primitive, with
+    no fresh engine (it made one, opened connections the user had just closed and armed
+    timers past the loop's end; the scheduler example's exit flaked on that)."""
+    mutex = RedisMutex(client, N, ttl=1)
     assert await mutex.acquire()
+    waiting = [  # a task of its process waits in the process, one of another on the server
+        asyncio.create_task(RedisMutex(client, N, local_handoff=handoff).acquire(timeout=8))
+        for handoff in (None, 0)
+    ]
+    await asyncio.sleep(0.2)
     await client.aclose()
-    assert await RedisMutex(client, N).acquire(blocking=False) is False  # still held
-    await mutex.release()
-    fresh = RedisMutex(client, N)
-    assert await fresh.acquire(blocking=False)
-    await fresh.release()
+    assert mutex.lost.is_set()
+    for wait in waiting:
+        with pytest.raises(ClientClosed):
+            await asyncio.wait_for(wait, 1)  # at once, not at its timeout
+    with pytest.raises(LockLost):
+        await mutex.release()
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: RedisMutex(client, N).acquire(blocking=False),
+        lambda: RedisMutex(client, "other").acquire(timeout=1),
+        lambda: RedisElection(client, "e").campaign("me").__aenter__(),
+        lambda: RedisSemaphore(client, "s", limit=2).acquire(),
+    ]
+    for call in calls:
+        with pytest.raises(ClientClosed) as refused:
+            await call()
+        assert _adapter.describe(client) in str(refused.value), refused.value
+        assert f":{valkey_notify.port}," in str(refused.value)
+        assert "closed by its user (aclose())" in str(refused.value)
+    assert not _adapter.holds_connections(client)  # nothing opened on the closed client
+    loop = asyncio.get_running_loop()
+    armed = [
+        timer
+        for timer in getattr(loop, "_scheduled", ())
+        if not timer.cancelled()
+        and getattr(timer._callback, "__module__", "").startswith("aiolocks")
+    ]
+    assert armed == []
+    async with redis.asyncio.Redis.from_url(valkey_notify.url) as other:
+        assert await other.pttl(MUTEX + "owner") > 0  # left to its ttl, not released

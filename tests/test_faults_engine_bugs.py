@@ -586,3 +586,56 @@ async def test_a_release_cancelled_after_the_validity_ended_records_the_loss(
     assert holding.lost.is_set(), "a loss after the validity ended went unrecorded"
     assert holding.lost_reason is not None and "cancelled" in holding.lost_reason
     assert lock.statistics().leases_lost == 1
+
+
+async def test_a_clean_up_under_way_when_its_client_is_closed_ends_first(
+    proxy: Proxy, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40 item 3: a client its user closes stays closed, but what began before the
+    close ends first. An acquisition times out while its call is in flight (held back by
+    the link); its clean-up waits for that call's reply in the background, past the task's
+    end; the user, having awaited the task, closes the client. Before, the close refused the
+    clean-up's call: the late call had granted the departed token the free mutex, which
+    it then held for its whole ttl."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")  # the clean-up waits for the call's reply
+    name = "closed-under-a-clean-up"
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    lock = RedisMutex(client, name, ttl=5, local_handoff=0)
+    assert await lock.acquire()  # loads the script: EVALSHA from now on
+    await lock.release()
+    sha = lock._spec.acquire.sha.encode()
+    held = proxy.delay_on(lambda data: sha in data and b"\r\ntry\r\n" in data, 0.3)
+    assert await lock.acquire(timeout=0.1) is False  # before the late call's reply
+    assert not held.answered.is_set()
+    await client.aclose()
+    closed_first = not held.answered.is_set()
+    await asyncio.wait_for(held.answered.wait(), 5)  # the late call ran on the server
+    assert await leftovers(direct, "mutex", name) == {}  # its grant was given back
+    assert not closed_first  # the close waited for it, and for the clean-up after it
+
+
+async def test_a_resign_under_way_when_its_client_is_closed_is_answered_first(
+    proxy: Proxy, direct: redis.asyncio.Redis
+) -> None:
+    """Issue 40 item 3: a leader's resign begun before its client is closed, its call held
+    back by the link, is answered before the close takes the connection: the resign
+    returns (before, the close cut its reply off, its retry was refused and the resign
+    raised ClientClosed), and the server has no leader."""
+    client = redis.asyncio.Redis.from_url(proxy.url)
+    election = RedisElection(client, "closed-under-a-resign", ttl=5)
+    elected, resign = asyncio.Event(), asyncio.Event()
+
+    async def lead() -> None:
+        async with election.campaign("a"):
+            elected.set()
+            await resign.wait()
+
+    leading = asyncio.create_task(lead())
+    await asyncio.wait_for(elected.wait(), 5)
+    sha = election._probe._spec.release.sha.encode()
+    held = proxy.delay_on(lambda data: sha in data, 0.3)
+    resign.set()
+    await asyncio.wait_for(held.fired.wait(), 5)
+    await client.aclose()
+    await asyncio.wait_for(leading, 5)  # the resign was answered: no ClientClosed
+    assert await RedisElection(direct, "closed-under-a-resign").leader() is None

@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import inspect
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio
@@ -35,11 +36,13 @@ import redis.asyncio
 __all__ = [
     "NEVER_DECODE",
     "close_engine_client",
+    "describe",
     "close_idle_connections",
     "engine_client",
     "holds_connections",
     "needs_initialise",
     "node_client",
+    "on_aclose",
     "pooled_connection",
     "pubsub_unsubscribed",
     "reply_error",
@@ -250,6 +253,41 @@ def _closed_with(pool: Any, own: Any) -> None:
 
         pool.disconnect = disconnect_all
     pools.add(own)
+
+
+# Set on a client whose `aclose` is wrapped (`on_aclose`), to the hook it calls.
+_ON_ACLOSE = "_aiolocks_on_aclose"
+
+
+def on_aclose(client: Any, hook: Callable[[Any], Awaitable[None]]) -> None:
+    """Have `hook(client)` awaited whenever the user closes `client`, before its connections
+    close: `aclose()`, and `close()` and `async with client`, which call it. The first call
+    wraps the client instance's `aclose` (holding the client weakly, so a dropped client is
+    still collected). Single-server clients only: a Cluster client calls its own `aclose()`
+    to reset its topology after a connection error, which is no close of the user's."""
+    if not isinstance(getattr(client, "connection_pool", None), _POOLS):
+        return
+    if _ON_ACLOSE in client.__dict__:
+        return
+    setattr(client, _ON_ACLOSE, hook)
+    closing = type(client).aclose
+    owner = weakref.ref(client)
+
+    async def aclose(*args: Any, **kwargs: Any) -> Any:
+        user = owner()
+        if user is None:
+            return None
+        await user.__dict__[_ON_ACLOSE](user)
+        return await closing(user, *args, **kwargs)
+
+    client.aclose = aclose
+
+
+def describe(client: Any) -> str:
+    """`client` named for an error: its class, the server it is for, and its identity."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+    return f"{type(client).__name__}({where}, db {kwargs.get('db', 0)}) at {id(client):#x}"
 
 
 async def close_engine_client(engine: Any, client: Any) -> None:

@@ -34,6 +34,8 @@ except ImportError:  # valkey-py is optional (the `valkey` extra)
 
 __all__ = [
     "AccessDenied",
+    "ClientClosed",
+    "EngineClosed",
     "LockError",
     "LockLost",
     "LockNotOwned",
@@ -133,6 +135,30 @@ class AccessDenied(LockError):
     password, an ACL `NOPERM`): a configuration error, not worth retrying as it is."""
 
 
+class ClientClosed(LockError):
+    """The Redis client was closed by its user (`aclose()`, `close()`, the end of `async
+    with client`): a wait under way ends with it at once, a holding is reported lost
+    (`LockLost`), and every later call on that client on the same event loop (an acquire, a
+    campaign) raises it, naming the client. The engine makes no call on a client its user
+    closed; a later event loop (the next `asyncio.run()`) may use it again."""
+
+
+CLIENT_CLOSED = (
+    "closed by its user (aclose()): aiolocks makes no call on it any more on this event "
+    "loop (what was held is lost, waits end; make a new client)"
+)
+
+
+class EngineClosed(ClientClosed):
+    """Raised by the engine for a call on a client its user closed, on the event loop it was
+    closed on (internal: `map_redis_errors` makes it a `ClientClosed` naming the primitive;
+    met outside one, it is a `ClientClosed` naming the client)."""
+
+    def __init__(self, client: str) -> None:
+        self.client = client  # (`_adapter.describe`)
+        super().__init__(client, CLIENT_CLOSED)
+
+
 def _access_cause(exc: Exception) -> str:
     text = str(exc)
     if isinstance(exc, NOPERMISSION_ERRORS):
@@ -174,6 +200,8 @@ class map_redis_errors:
 
 
 def _translated(name: str, exc: Exception) -> Exception | None:
+    if isinstance(exc, EngineClosed):
+        return ClientClosed(name, f"its Redis client {exc.client} was {CLIENT_CLOSED}")
     if isinstance(exc, (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS)):
         return AccessDenied(name, f"Redis refused access: {_access_cause(exc)}")
     if isinstance(exc, INVALID_RESPONSE_ERRORS):

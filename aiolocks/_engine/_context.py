@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from .._base import _adapter
 from .._base._clients import AnyRedis
+from .._base._errors import EngineClosed
 from .._leases._keeper import LeaseKeeper
 from .._transport._runner import ScriptRunner
 from .._waiting._notifier import Notifier
@@ -55,9 +56,23 @@ def context_for(client: AnyRedis) -> ClientContext:
         setattr(client, _ATTRIBUTE, per_loop)
     context = per_loop.get(loop)
     if context is None or context.closed:
+        if context is not None and context.closed_by_user:
+            # No fresh engine on a client its user closed (`refuse_calls`): it would open
+            # connections the user has just closed, and arm timers past the loop's end.
+            raise EngineClosed(_adapter.describe(client))
         _check_other_loops(client, per_loop, loop)
         context = per_loop[loop] = ClientContext(client)
+        _adapter.on_aclose(client, _closed_by_user)
     return context
+
+
+async def _closed_by_user(client: AnyRedis) -> None:
+    """The user closes `client` (`aclose()`): the engine's state for it on this loop ends
+    first (`ClientContext.client_closed`), and stays: a later call on this loop raises
+    `ClientClosed` (`context_for`); a later loop may use the client again."""
+    context = open_context(client)
+    if context is not None:
+        await context.client_closed()
 
 
 def open_context(client: AnyRedis) -> ClientContext | None:
@@ -116,12 +131,22 @@ class Gate:
     """At most `limit` holders inside; the others wait in arrival order (a first-come,
     first-served limit on the releases one client has in flight)."""
 
-    __slots__ = ("inside", "limit", "waiting")
+    __slots__ = ("_empty", "inside", "limit", "waiting")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.inside = 0
         self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._empty: asyncio.Future[None] | None = None  # (`emptied`)
+
+    def emptied(self) -> asyncio.Future[None] | None:
+        """A future done once no release is inside (None: none is now); the ones waiting
+        for a place go in first."""
+        if not self.inside:
+            return None
+        if self._empty is None:
+            self._empty = asyncio.get_running_loop().create_future()
+        return self._empty
 
     async def enter(self) -> None:
         """Wait for a place (at once if one is free and nobody waits)."""
@@ -145,6 +170,10 @@ class Gate:
                 place.set_result(None)
                 return
         self.inside -= 1
+        if not self.inside and self._empty is not None:
+            if not self._empty.done():
+                self._empty.set_result(None)
+            self._empty = None
 
 
 class ClientContext(ScriptRunner):
@@ -190,6 +219,51 @@ class ClientContext(ScriptRunner):
         watcher, self._loop_end = self._loop_end, None
         if watcher is not None:
             await watcher.aclose()
+
+    async def client_closed(self) -> None:
+        """Its user closes the client: what began before the close ends first (`_settle`:
+        the releases under way and the clean-ups, `SHUTDOWN_BOUND` at most), then the
+        engine stops using it. No call is made on it any more (each would open a connection
+        the user has just closed); every holding is reported lost (it can be neither
+        renewed nor released: its lease ends on the server by its ttl), and every wait
+        ends with `ClientClosed`."""
+        try:
+            await self._settle()
+        finally:
+            self._refuse()
+        await self.aclose()
+
+    async def _settle(self) -> None:
+        """Wait, `SHUTDOWN_BOUND` at most, for the releases under way (inside the release
+        gate or waiting for a place) and the clean-ups left in the background: a task that
+        awaited its holding's release before the close, or whose cancelled acquisition's
+        clean-up went on past its grace, leaves no lease behind. Past the bound they are
+        cut off, reported: a release by its error (`ClientClosed`), a clean-up here."""
+        work: list[asyncio.Future[Any]] = [c for c in self.cleanups if not c.done()]
+        gate = self.releases.emptied()
+        if gate is not None:
+            work.append(gate)
+        if not work:
+            return
+        _, late = await asyncio.wait(work, timeout=SHUTDOWN_BOUND)
+        unanswered = len(late - {gate}) + (self.releases.inside if gate in late else 0)
+        if unanswered:
+            log.warning(
+                "aiolocks: the Redis client was closed (aclose()) with %d release(s) or "
+                "clean-up(s) unanswered after %g s: their tokens end on the server by their ttl",
+                unanswered,
+                SHUTDOWN_BOUND,
+            )
+
+    def _refuse(self) -> None:
+        """The engine stops using its client (`client_closed`)."""
+        self.refuse_calls()
+        self.closed = True  # (nothing is given back in the background either)
+        self.keeper.lose_all(
+            "the Redis client was closed (aclose()): the lease can be neither renewed nor "
+            "released, and ends on the server by its ttl"
+        )
+        self.waitqueue.recheck_all()  # each wait's next call raises ClientClosed
 
     async def _stop(self) -> None:
         self.closed = True

@@ -466,18 +466,20 @@ class LeasedLock(AsyncWithOnly):
         self._uncap(holding)
         if _telemetry.recorder is not None:
             _telemetry.on_release(self._spec, holding.token)
-        context = context_for(self._client)
         in_cohort = self._local_handoff and is_cohort_token(holding.token)
         if holding.is_lost:
-            if not in_cohort:
-                self._stop_renewal(context, holding)  # a cohort's lease is the cohort's to drop
-            # Best-effort: the key is gone or someone else's; this only tidies the queue, and
-            # never delays the report (a link that stalled may be why the lease was lost).
-            until = _clock.monotonic() + _release.GRACE
-            await _release.withdraw(
-                context, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
-            )
+            lost = open_context(self._client)  # None: its client was closed since
+            if lost is not None and not in_cohort:
+                self._stop_renewal(lost, holding)  # a cohort's lease is the cohort's to drop
+            if lost is not None:
+                # Best-effort: the key is gone or someone else's; this only tidies the
+                # queue, and never delays the report (a link that stalled may be why).
+                until = _clock.monotonic() + _release.GRACE
+                await _release.withdraw(
+                    lost, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
+                )
             raise self._lost_error(holding)
+        context = context_for(self._client)
         with map_redis_errors(self._name):
             # Waited for no longer than the lease is known valid: past that, whether it
             # was released or lost cannot be told, and the report must not wait.

@@ -29,7 +29,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from .._base import _clock, _telemetry
 from .._base._adapter import text
-from .._base._errors import AUTHENTICATION_ERRORS, cancelling
+from .._base._errors import AUTHENTICATION_ERRORS, EngineClosed, cancelling
 from .._base._spec import LOST_REPLY, PASSING_OUTAGE, RETRY_MAX, RETRY_MIN, Spec
 from .._leases._keeper import Lease
 from .._scripts import Script
@@ -301,8 +301,10 @@ def give_back_lost(
     clean-up (`background_release`). A lease that ran out of validity on this side may
     still be the token's on the server (a renewal ran there, its reply late): the name
     would stay owned by a token no task holds, while others wait, until its holder's
-    task released it (as late as it likes) or its ttl ended."""
-    background_release(context, spec, token, ttl_ms, call)
+    task released it (as late as it likes) or its ttl ended. Not on a closed client (its
+    user closed it: the engine makes no call on it)."""
+    if not context.closed:
+        background_release(context, spec, token, ttl_ms, call)
 
 
 def _cut_short(
@@ -345,6 +347,9 @@ async def _retried(
             return
         except asyncio.CancelledError:
             raise  # the loop is shutting down
+        except EngineClosed:
+            log.debug("aiolocks: clean-up of %r (token %s) dropped: client closed", name, token)
+            return  # its user closed the client: the server forgets the token by its ttl
         except Exception as exc:
             if cancelling():
                 # The cancellation met a connect or a socket and came out of redis-py as a

@@ -555,12 +555,19 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._sleeper: asyncio.Future[None] | None = None
         self._wake_at = float("inf")
+        # Why it stopped (`aclose`, `lose_all`): a lease handed to it since is lost at once,
+        # and it starts no task (nothing it arms outlives its client's engine).
+        self._stopped: str | None = None
 
     # -- registration ------------------------------------------------------------------
 
     def hold(self, lease: Lease) -> None:
         """Keep `lease` renewed from its `next_due` on (again, if it was held already:
-        the keeper then goes by its `next_due` as it is now)."""
+        the keeper then goes by its `next_due` as it is now). Lost at once if the keeper
+        has stopped (an acquisition answered after its client was closed)."""
+        if self._stopped is not None:
+            self._lose(lease, self._stopped)
+            return
         self._leases.add(lease)
         due = lease.queued = min(lease.next_due, lease.valid_until)
         self._push(due, lease)
@@ -575,7 +582,10 @@ class LeaseKeeper:
         return [lease.owner.give_back for lease in self._leases]
 
     def watch_waiter(self, keys: tuple[bytes, ...], waiter: Waiter) -> None:
-        """Heartbeat `waiter` with its primitive's `keys` (the waiters key first)."""
+        """Heartbeat `waiter` with its primitive's `keys` (the waiters key first); not once
+        the keeper has stopped (the waiter's next call ends its wait)."""
+        if self._stopped is not None:
+            return
         group = self._groups.get(keys[0])
         if group is None:
             group = self._groups[keys[0]] = HeartbeatGroup(keys)
@@ -631,6 +641,8 @@ class LeaseKeeper:
         return self._groups.get(item.keys[0]) is item
 
     def _schedule(self, due: float) -> None:
+        if self._stopped is not None:
+            return
         if self._task is None or self._task.done():
             self._wake_at = due
             self._task = asyncio.get_running_loop().create_task(
@@ -818,7 +830,17 @@ class LeaseKeeper:
         except Exception:  # a holder's callback must never kill the keeper
             log.exception("aiolocks: lease-lost callback failed")
 
+    def lose_all(self, reason: str) -> None:
+        """Report every lease held lost, for `reason` (its client was closed: none can be
+        renewed or released any more); a lease being released is its release's to report.
+        A lease handed to the keeper later is lost at once, for the same reason."""
+        self._stopped = reason
+        for lease in list(self._leases):
+            self._lose(lease, reason)
+
     async def aclose(self) -> None:
+        if self._stopped is None:
+            self._stopped = "the engine of its client stopped (its event loop ended)"
         self._leases.clear()
         self._groups.clear()
         self._heap.clear()

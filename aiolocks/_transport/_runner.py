@@ -66,6 +66,7 @@ from .._base._errors import (
     NOSCRIPT_ERRORS,
     RESPONSE_ERRORS,
     TIMEOUT_ERRORS,
+    EngineClosed,
     pending_cancels,
     redeliver_cancel,
 )
@@ -163,6 +164,8 @@ class ScriptRunner:
             self._initialised = asyncio.get_running_loop().create_future()
             self._initialised.set_result(None)
         self._sent = 0  # commands sent besides the auto-pipeline's
+        # Its client was closed by its user (`refuse_calls`): no call is made any more.
+        self.closed_by_user = False
 
     async def run(
         self,
@@ -321,7 +324,14 @@ class ScriptRunner:
             log.debug("aiolocks: redis-py closed a connection under a command; sending again")
             return await execute(*args, **options)
 
+    def refuse_calls(self) -> None:
+        """Its client was closed by its user: every call from now on raises EngineClosed
+        (none opens a connection on the closed client)."""
+        self.closed_by_user = True
+
     async def _ready(self) -> None:
+        if self.closed_by_user:
+            raise EngineClosed(_adapter.describe(self.client))
         initialised = self._initialised
         if (
             initialised is not None

@@ -110,6 +110,7 @@ class Notifier:
         self._db = 0 if self._cluster else _db_of(client)
         self._facts: asyncio.Future[ServerFacts] | None = None
         self._sharded = False  # set from the facts before the first subscription
+        self._closed = False  # with its client's engine: it subscribes no more
 
     # -- what the notifier is told, and what it means ------------------------------------
 
@@ -197,6 +198,8 @@ class Notifier:
         channel = self._channels.get(wake)
         if channel is None:
             facts = await self._server_facts()
+            if self._closed:
+                return  # closed meanwhile: no link made again (the waiter's next call ends it)
             keyspace = None
             if watch_key is not None and facts.keyspace:
                 keyspace = b"__keyspace@%d__:%s" % (self._db, watch_key)
@@ -396,6 +399,7 @@ class Notifier:
         task.add_done_callback(_ignore_result)
 
     async def aclose(self) -> None:
+        self._closed = True
         for link in list(self._links.values()):
             reader, link.reader = link.reader, None
             if reader is not None and reader is not asyncio.current_task():
@@ -404,6 +408,13 @@ class Notifier:
                     await reader
             await self._drop_idle(link)
         self._links.clear()
+        # A reference dropped later (a wait ending after its client was closed) finds no
+        # channel: it arms no linger, and nothing unsubscribes on a closed connection.
+        for channel in self._channels.values():
+            if channel.linger is not None:
+                channel.linger.cancel()
+        self._channels.clear()
+        self._by_keyspace.clear()
 
     # -- the reader of a link, and what it reads -----------------------------------------
 

@@ -9,7 +9,9 @@ server's and its clean-up is what is checked; with the default it would wait in 
 process); prints ``ready`` once the server has that waiter queued. Then, by HOW:
 
 - ``return``: returns from `main()` as it is, the client never closed;
-- ``close-return``: closes the client first (`await client.aclose()`), then returns;
+- ``close-return``: closes the client first (`await client.aclose()`), prints ``ended``
+  and how each task holding or waiting ended (the engine stops using a closed client:
+  ``LockLost LockLost ClientClosed``), then returns;
 - ``wait``: waits for a signal; SIGINT (Ctrl-C) ends it through `asyncio.run()`;
 - ``wait-term``: as ``wait``, and SIGTERM cancels the main task (the recipe of the docs).
 - ``wait-term-as-int``: as ``wait``, and SIGTERM is Ctrl-C (docs/workers.md's one line).
@@ -65,6 +67,8 @@ async def main(url: str, prefix: str, ttl: float, how: str) -> None:
     print("ready", flush=True)
     if how == "close-return":
         await client.aclose()
+        ended = await asyncio.wait_for(asyncio.gather(*holders, return_exceptions=True), 10)
+        print("ended", *(type(outcome).__name__ for outcome in ended), flush=True)
     if how.startswith("wait"):
         await asyncio.gather(*holders)
 
