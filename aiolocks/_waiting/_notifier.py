@@ -236,7 +236,10 @@ class Notifier:
     def retain_soon(self, wake: bytes) -> bool:
         """`retain` (no keyspace channel) without waiting: the reference is taken now and
         the channel subscribed in the background, if it is not yet (`watching` tells when it
-        is confirmed). False, with no reference, when no link can carry it yet."""
+        is confirmed). False, with no reference, when no link can carry it yet (or the
+        notifier is closed)."""
+        if self._closed:
+            return False
         channel = self._channels.get(wake)
         if channel is None:
             try:
