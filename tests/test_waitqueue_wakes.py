@@ -26,6 +26,7 @@ from conftest import VARIANTS, ServerPool
 
 from aiolocks import RedisMutex
 from aiolocks._base._spec import Spec
+from aiolocks._engine._acquire import AcquireReply, Status
 from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
 from aiolocks._waiting._waitqueue import Waiter, Wake
@@ -85,7 +86,7 @@ class AcquireCalls:
                 self.made.append(call)
             reply = await inner(script, keys, args, retry=retry, sent=sent)
             if call is not None:
-                call.status = int(reply[0])
+                call.status = AcquireReply.decode(reply).status.value
                 self.answered.set()
             return reply
 
@@ -103,7 +104,7 @@ async def crashed_holder(admin: redis.asyncio.Redis, spec: Spec, ttl_ms: int) ->
     member = context.waitqueue.member("crashed0000", ttl_ms, "x")
     sent = time.monotonic()
     reply = await context.run(spec.acquire, spec.keys, (member, "try", spec.channel))
-    assert int(reply[0]) == 1
+    assert AcquireReply.decode(reply).status is Status.GRANTED
     return sent + ttl_ms / 1000
 
 

@@ -99,7 +99,8 @@ _STATUSES = {status.value: status for status in Status}
 
 class AcquireReply(NamedTuple):
     """Every acquire script's reply, decoded: {GRANTED, fence, grants...}, {QUEUED or TAKEN,
-    wait_ms, floor, grants...}, {REFUSED, stored}; grants: those the call made to others."""
+    wait_ms, floor, grants...}, {REFUSED, stored}; grants: those the call made to others.
+    A mutex taken free answers its fence alone, an integer (mutex_acquire.lua)."""
 
     status: Status
     fence: int = 0  # GRANTED: the token's fence
@@ -111,7 +112,9 @@ class AcquireReply(NamedTuple):
     grants: tuple[Granted, ...] = ()
 
     @classmethod
-    def decode(cls, reply: Sequence[Any]) -> AcquireReply:
+    def decode(cls, reply: Sequence[Any] | int) -> AcquireReply:
+        if isinstance(reply, int):
+            return cls(Status.GRANTED, reply)
         status = _STATUSES[int(reply[0])]
         if status is Status.GRANTED:
             return cls(status, int(reply[1]), grants=granted_in(reply, 2))
@@ -233,7 +236,7 @@ class _Acquisition:
             self.sent_at = self.written[0]
         return self.answer(AcquireReply.decode(reply))
 
-    async def call(self) -> list[Any]:
+    async def call(self) -> list[Any] | int:
         """One acquire call, awaited until the deadline; a call that may grant or queue the
         token is left to finish if the caller leaves (`InFlight`)."""
         context, spec, waiter = self.context, self.spec, self.waiter
@@ -252,7 +255,7 @@ class _Acquisition:
             sent=written.append,
         )
         in_flight = self.in_flight = InFlight(pending, context)
-        reply: list[Any] = await in_flight.reply(self.deadline)
+        reply: list[Any] | int = await in_flight.reply(self.deadline)
         self.in_flight = None
         return reply
 
@@ -370,7 +373,7 @@ class _Acquisition:
         after = None if self.in_flight is None else self.in_flight.after(self.wake_granted)
         await withdraw(context, spec, token, ttl_ms, until, after=after)
 
-    def wake_granted(self, reply: list[Any]) -> None:
+    def wake_granted(self, reply: list[Any] | int) -> None:
         """The local waiters granted by the reply of the call the acquisition left in flight."""
         sent_at = self.written[0] if self.written else self.sent_at
         wake_granted(self.context, self.spec, AcquireReply.decode(reply).grants, sent_at)

@@ -99,14 +99,17 @@ _RELEASED = {status.value: status for status in Released}
 
 
 class ReleaseReply(NamedTuple):
-    """The release script's reply: {status, grants...}, or {KEPT, fence}."""
+    """The release script's reply: {status, grants...}, or {KEPT, fence}; a status alone
+    may come as an integer (a mutex's free release, mutex_release.lua)."""
 
     status: Released
     grants: tuple[Granted, ...] = ()
     fence: int = 0  # KEPT: the first fence of the block the holder keeps passing from
 
     @classmethod
-    def decode(cls, reply: Sequence[Any]) -> ReleaseReply:
+    def decode(cls, reply: Sequence[Any] | int) -> ReleaseReply:
+        if isinstance(reply, int):
+            return cls(_RELEASED[reply])
         status = _RELEASED[int(reply[0])]
         if status is Released.KEPT:
             return cls(status, (), int(reply[1]))
@@ -187,7 +190,7 @@ async def granting(
     at once, so one the script made owner learns it now rather than at its next heartbeat
     (the acquire script answers "granted" to an owner).
     """
-    reply, _ = await _granting(context, spec, script, args, retry, sent)
+    reply: list[Any] = (await _granting(context, spec, script, args, retry, sent))[0]
     return reply
 
 
@@ -198,11 +201,11 @@ async def _granting(
     args: tuple[Any, ...],
     retry: bool,
     sent: Callable[[float], None] | None,
-) -> tuple[list[Any], bool]:
+) -> tuple[Any, bool]:
     """`granting`, and whether a first call was cut off (the reply is then the second's)."""
     for again in (False, True):
         try:
-            reply: list[Any] = await context.run(script, spec.keys, args, retry=False, sent=sent)
+            reply: Any = await context.run(script, spec.keys, args, retry=False, sent=sent)
             return reply, again
         except BaseException as exc:
             context.waitqueue.recheck_all(spec.channel)

@@ -55,10 +55,10 @@ MUTANTS = [
     Mutant(
         "free-grant-short-lease",
         "aiolocks/_scripts/mutex_acquire.lua",
-        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  local stored = read_key(4, 'counter') or 0\n"
         "  redis.call('SET', owner, token, 'PX', ttl)\n"
         "  return",
-        "  local stored = tonumber(read_key(4, 'counter')) or 0\n"
+        "  local stored = read_key(4, 'counter') or 0\n"
         "  redis.call('SET', owner, token, 'PX', math.floor(tonumber(ttl) * 0.9))\n"
         "  return",
         "escaped 2: the free-mutex grant sets a shorter lease on the server than the client's",
