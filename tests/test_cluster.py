@@ -84,13 +84,15 @@ async def test_hand_offs_wake_only_the_owning_shard(
             for _ in range(5):
                 assert await holder.acquire()
                 waiting = asyncio.create_task(waiter.acquire())
+                # Queued behind the holder's cohort (the default mutex): one SPUBLISH, on
+                # the owning shard, that tells the holder's process (issue 45).
                 await probe.wait_queued(len(probe.queued) + 1)
                 await holder.release()  # hands over across clients: one SPUBLISH
                 assert await asyncio.wait_for(waiting, 10)
                 await waiter.release()
             after = await _spublish_counts(cluster)
             grown = [a - b for a, b in zip(after, before, strict=True)]
-            assert grown == [5 if node == index else 0 for node in range(3)], (name, grown)
+            assert grown == [10 if node == index else 0 for node in range(3)], (name, grown)
         # The waiting client keeps one pub/sub connection per node it waited on.
         assert len(context_for(other).notifier._links) == 3
     finally:

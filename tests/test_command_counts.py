@@ -27,7 +27,8 @@ FREE_CYCLE = {"evalsha": 2, "exists": 1, "get": 2, "lindex": 1, "time": 1, "set"
 # A waiter's one call while the name is held by another and nobody else waits (already
 # subscribed): EXISTS owner queue (1: the owner alone, so no queue to read), GET owner, GET
 # fence, TIME, ZADD + RPUSH (queued), PTTL + 2 PEXPIRE (the queue keys' expiry), PTTL owner
-# (the safety-net timer).
+# (the safety-net timer), and, the holder being a default mutex (a local hand-off cohort),
+# SPUBLISH of its token on the "queued" channel its cohort listens to (issue 45).
 QUEUE_CALL = {
     "evalsha": 1,
     "exists": 1,
@@ -37,6 +38,7 @@ QUEUE_CALL = {
     "rpush": 1,
     "pttl": 2,
     "pexpire": 2,
+    "spublish": 1,
 }
 # The holder's release handing the name to a waiter of another client: GET owner, LINDEX
 # queue, ZSCORE of the head (alive?), GET fence, TIME, LPOP, ZREM, SET owner, SET fence,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from _servers import arun_workers
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockLost, RedisMutex
+from aiolocks._base import _clock
 from aiolocks._engine import _leasedlock
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import cohorts_of
@@ -88,8 +90,8 @@ async def test_a_task_alone_makes_no_cohort_and_one_that_comes_takes_its_holding
 ) -> None:
     """Issue 41 (client CPU per uncontended cycle): a task acquiring and holding alone makes
     no `Cohort`; a second task that comes while it holds makes one, which takes the holding
-    over: the lease passes to the second locally (no script call, the next fence of the
-    block), and the cohort is forgotten after."""
+    over: the lease passes to the second locally (the next fence of the block), and the
+    cohort is forgotten after."""
     context = context_for(r)
     probe = QueueProbe(r, local=True)
     first, second = RedisMutex(r, "alone"), RedisMutex(r, "alone")
@@ -110,11 +112,9 @@ async def test_a_task_alone_makes_no_cohort_and_one_that_comes_takes_its_holding
     await probe.wait_queued(1)  # it queues locally, with no Redis call
     [cohort] = cohorts_of(context).values()
     assert isinstance(cohort, _leasedlock.Cohort)
-    before = context.commands_sent
     await first.release()
     await asyncio.wait_for(task, 10)
-    assert got == [fence + 1]
-    assert context.commands_sent - before == 1  # the second's release only
+    assert got == [fence + 1]  # passed locally (a grant from Redis would start a new block)
     assert cohorts_of(context) == {}
     assert (await first.inspect()).owner is None
 
@@ -178,11 +178,16 @@ async def test_four_processes_of_sixteen_tasks(r: redis.asyncio.Redis, url: str)
 
 
 async def holdings_ahead_of_a_remote_waiter(
-    url: str, name: str, local_handoff: int, body: float
+    url: str,
+    name: str,
+    local_handoff: int,
+    body: float,
+    before: Callable[[redis.asyncio.Redis, redis.asyncio.Redis], Awaitable[None]] | None = None,
 ) -> int:
     """Eight local tasks keep passing `name` around (`local_handoff`, each holding
     `body` s) while a waiter of another client (another process, as far as the lock can
-    tell) queues: how many local holdings began after it queued and before it got in."""
+    tell) queues: how many local holdings began after it queued and before it got in.
+    `before(local, remote)` runs once the local chain has begun, before the waiter comes."""
     local = redis.asyncio.Redis.from_url(url)
     remote = redis.asyncio.Redis.from_url(url)
     probe = QueueProbe(remote)
@@ -202,6 +207,8 @@ async def holdings_ahead_of_a_remote_waiter(
 
         spinners = [asyncio.create_task(spin()) for _ in range(8)]
         await asyncio.wait_for(started.wait(), 10)
+        if before is not None:
+            await before(local, remote)
         mutex = RedisMutex(remote, name, ttl=10)
         assert await mutex.acquire(timeout=20)
         remote_fence = mutex.fencing_token
@@ -233,6 +240,54 @@ async def test_a_remote_waiter_waits_at_most_the_time_bound(url: str) -> None:
     waiter gets it after about ten of them (without the time bound it waited for ever)."""
     ahead = await holdings_ahead_of_a_remote_waiter(url, "timed", 10_000, 0.001)
     limit = round(_leasedlock.CHAIN_BOUND / 0.001)  # holdings of >= 1 ms in the time bound
+    assert ahead <= limit + 2, ahead
+
+
+async def test_nobody_waiting_elsewhere_the_chain_stays_past_the_time_bound(
+    r: redis.asyncio.Redis,
+) -> None:
+    """Issue 45: while nobody waits in another process, local holdings go on passing the
+    lease past CHAIN_BOUND (only a holding of CHAIN_BOUND or more goes back to Redis): the
+    chain leaves the process only once a waiter elsewhere is announced. Counted by the fence
+    blocks the chain took from Redis (a `keep` starts a new block: the fences jump)."""
+    mutex = RedisMutex(r, "quiet", ttl=10, local_handoff=10_000)
+    fences: list[int] = []
+    long = 0  # holdings that may have lasted CHAIN_BOUND (a loaded machine's slow sleeps)
+    started = _clock.monotonic()
+
+    async def hold() -> None:
+        nonlocal long
+        for _ in range(25):
+            async with mutex:
+                began = _clock.monotonic()
+                fences.append(mutex.fencing_token or 0)
+                await asyncio.sleep(0.001)
+                long += _clock.monotonic() - began >= _leasedlock.CHAIN_BOUND / 2
+
+    await asyncio.gather(*(hold() for _ in range(4)))
+    elapsed = _clock.monotonic() - started
+    blocks = 1 + sum(b != a + 1 for a, b in itertools.pairwise(fences))
+    # The first chain counts from its start (its subscription was not confirmed when it came
+    # from Redis); the rest stay. The old rule took a block per 10 ms: elapsed / 11 ms.
+    assert blocks <= 2 + long, (blocks, long, f"{elapsed:.3f} s")
+
+
+async def test_a_cohort_whose_link_is_lost_counts_from_its_chain_start(url: str) -> None:
+    """Issue 45: a cohort that heard nobody wait elsewhere (its chain stays in the process)
+    loses its pub/sub link just before a waiter of another client queues, so the news of it
+    is lost: from the loss on, the cohort counts its time bound from the chain's start
+    again, and the waiter gets in after about ten 1 ms holdings, as with the old rule (a
+    cohort that trusted its lost link passed on until the link came back)."""
+
+    async def quiet_then_kill(local: redis.asyncio.Redis, remote: redis.asyncio.Redis) -> None:
+        await asyncio.sleep(0.3)  # past the first chain's 10 ms: kept, nobody waiting
+        (cohort,) = cohorts_of(context_for(local)).values()
+        assert isinstance(cohort, _leasedlock.Cohort)  # (not one task alone)
+        assert cohort._waited_since is None  # watching, and nobody waits elsewhere
+        await remote.client_kill_filter(_type="pubsub")  # the remote has none yet
+
+    ahead = await holdings_ahead_of_a_remote_waiter(url, "relinked", 10_000, 0.001, quiet_then_kill)
+    limit = round(_leasedlock.CHAIN_BOUND / 0.001)
     assert ahead <= limit + 2, ahead
 
 

@@ -61,8 +61,9 @@ async def test_waiting_does_not_poll(server: ServerProcess, r: redis.asyncio.Red
     short = await _wait_cost(server.url, "m:poll-short", 1.0)
     long = await _wait_cost(server.url, "m:poll-long", 3.0)
     # try, the pub/sub mode script and CONFIG GET (once per client), SSUBSCRIBE (or
-    # SUBSCRIBE) plus SUBSCRIBE of the keyspace channel, queue, withdraw: a constant.
-    assert long[0] <= 7, long
+    # SUBSCRIBE) plus SUBSCRIBE of the keyspace channel, queue (and the SPUBLISH it runs to
+    # tell the holder, a default mutex's local hand-off cohort), withdraw: a constant.
+    assert long[0] <= 8, long
     assert long == short, (short, long)  # three times the wait, not one command more
 
 

@@ -88,6 +88,9 @@ class Grant:
     token: str
     fence: int
     granted_at: float
+    # Granted by the acquisition's first call (never queued): nobody live waited in the
+    # server's queue then (a local hand-off cohort's chain starts with nobody waiting).
+    alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,6 +185,7 @@ class _Acquisition:
     # Its last acquire call: when it was made, when it went out (behind a burst: later)
     # and, while unanswered, the call itself (`InFlight`).
     sent_at: float = 0.0
+    calls: int = 0  # acquire calls made (a grant to the first: see `Grant.alone`)
     written: list[float] = field(default_factory=list)
     in_flight: InFlight[list[Any]] | None = None
 
@@ -243,6 +244,7 @@ class _Acquisition:
         if waiter is not None and waiter.queued_at == 0.0:
             waiter.still_queued(self.sent_at)  # unknown to the server before this call
         self.on_server = True
+        self.calls += 1
         written: list[float] = []
         self.written = written
         mode = "try" if waiter is None else "wait"
@@ -265,7 +267,8 @@ class _Acquisition:
             waiter.not_holding(reply.floor)  # drops a grant this answer overtook
         wake_granted(self.context, self.spec, reply.grants, sent_at)  # maybe local ones
         if status is Status.GRANTED:
-            return self.granted(reply.fence, sent_at)  # late: answered after a stall, re-run
+            # (late: answered after a stall, re-run)
+            return self.granted(reply.fence, sent_at, alone=self.calls == 1)
         if status is Status.REFUSED:
             return self.refused(reply.stored)
         wait_ms = reply.wait_ms
@@ -328,12 +331,12 @@ class _Acquisition:
         assert waiter.fence is not None
         return self.granted(waiter.fence, waiter.granted_at)
 
-    def granted(self, fence: int, at: float) -> _Next:
+    def granted(self, fence: int, at: float, alone: bool = False) -> _Next:
         """A grant whose lease counts from `at`: the end, unless it came too late (TRY)."""
         if self.late.confirm(at, self.waiter):
             return TRY
         self.on_server = False
-        return Grant(self.token, fence, at)
+        return Grant(self.token, fence, at, alone)
 
     def parked(self) -> Waiter:
         assert self.waiter is not None

@@ -42,6 +42,7 @@ from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._base._query import AsyncWithOnly
 from .._leases._keeper import Callbacks, Holding, Lease, LeaseOwner, current_task
 from .._scripts import Script
+from .._waiting._notifier import Hint
 from . import _acquire, _release
 from ._context import ClientContext, context_for, open_context
 from ._settings import (
@@ -73,10 +74,11 @@ log = logging.getLogger("aiolocks")
 MAX_LOCAL_HANDOFF = 10_000
 # `RedisMutex`'s default `local_handoff`: measured best of 4 and 16 (docs/benchmarks.md).
 DEFAULT_LOCAL_HANDOFF = 16
-# Local passes stop once the lease has stayed in this process so long since it came from
-# Redis, and after any holding this long. Go's sync.Mutex turns fair after a 1 ms wait, but
-# a pass through Redis costs ~100x a thread's hand-off (a round trip): 10 ms keeps 0.1-5 ms
-# bodies passing locally and makes 20 ms ones strict FIFO (docs/benchmarks.md).
+# Local passes stop this long after a waiter in another process queued behind the cohort
+# (its announcement arrived: see `Cohort`), and after any holding this long. Go's
+# sync.Mutex turns fair after a 1 ms wait, but a pass through Redis costs ~100x a thread's
+# hand-off (a round trip): 10 ms keeps 0.1-5 ms bodies passing locally and makes 20 ms ones
+# strict FIFO (docs/benchmarks.md).
 CHAIN_BOUND = 0.010
 
 P = ParamSpec("P")
@@ -777,12 +779,19 @@ def _try_bound(client: AnyRedis) -> float:
 # that want one lock with the same settings form a cohort. At most one of them (the
 # contender) acquires through Redis at a time; the others wait here, in FIFO order, without
 # any Redis state. When the cohort holds the lease, a release hands it to the next local
-# task without a round trip, up to `local_handoff` times in a row and for at most
-# `CHAIN_BOUND` seconds since the lease came from Redis, and never after a holding of
-# `CHAIN_BOUND` or more; then the release script is asked to give it to the global queue,
-# or, when nobody waits there, to let the cohort keep it. So a waiter in another process
-# waits beyond strict FIFO at most `local_handoff` local holdings and at most `CHAIN_BOUND`
-# of them (plus the holding in progress when the bound passes).
+# task without a round trip, up to `local_handoff` times in a row, never after a holding of
+# `CHAIN_BOUND` or more, and for less than `CHAIN_BOUND` once a waiter elsewhere may wait;
+# then the release script is asked to give it to the global queue, or, when nobody waits
+# there, to let the cohort keep it. A waiter that queues behind the cohort's token is
+# announced to it (the acquire script publishes the token on the channel's "queued" twin,
+# which the cohort subscribes to through the notifier from its first local waiter on), and
+# `CHAIN_BOUND` counts from that announcement's arrival. Where it could miss one, it counts
+# from the chain's start (the lease's grant or `keep`), as if someone waited all along: until
+# its subscription is confirmed, while the link is down or after it re-synced, and after a
+# grant that others may be queued behind (any but a first call's) or a call answered after an
+# announcement or re-sync. So a waiter in another process waits beyond strict FIFO at most
+# `local_handoff` local holdings and at most `CHAIN_BOUND` of them after its announcement
+# arrives (plus the holding in progress when the bound passes).
 #
 # Fences stay strictly increasing across all holders: a cohort's token ends in "+<local_handoff+1>"
 # and every grant of it reserves that many consecutive fences (see `_prelude.lua`); local
@@ -848,6 +857,13 @@ class Cohort:
         self._next_fence = 0
         self.passes = 0  # local hand-offs since the lease last came from (or stayed with) Redis
         self._chain_start = 0.0  # when it last came from (or stayed with) Redis
+        # Since when a waiter elsewhere may wait behind it: None while nobody does and one
+        # that queues would be announced to it (`_heard`); else that announcement's arrival,
+        # or the chain's start (not listening yet, a re-sync, a grant others may wait behind).
+        self._waited_since: float | None = 0.0
+        self._news = 0  # announcements and re-syncs heard (none between call and answer?)
+        self._queued = spec.channel + b":queued"  # the acquire script's `tell_cohort`
+        self._listening = False  # with a reference on the `_queued` subscription
         self._held_since = 0.0  # when the current holder got it
         self._holder: tuple[LeasedLock, Holding] | None = None
 
@@ -876,6 +892,8 @@ class Cohort:
             return False  # busy here: held by, or being acquired for, another local task
         waiter = _LocalWaiter(lock, task)
         self._queue.append(waiter)
+        if not self._listening:
+            self._listen()
         try:
             timeout = None if deadline is None else max(0.0, deadline - _clock.monotonic())
             await asyncio.wait((waiter.future,), timeout=timeout)
@@ -914,18 +932,27 @@ class Cohort:
         deadline: float | None,
     ) -> bool:
         self._contending = True  # already, for a task promoted to it
+        if not self._listening and self._context.notifier.watching(self._queued):
+            self._listen()  # a name contended here lately: its subscription lingers
+        # (None: not watching, a waiter queueing elsewhere meanwhile may go unannounced)
+        news = self._news if self._watching() else None
         grant = None
         try:
             grant = await lock._acquire_grant(self._context, self.local_handoff, blocking, deadline)
         finally:
-            self._contended(lock, task, grant)
+            self._contended(lock, task, grant, news)
         return grant is not None
 
     def _contended(
-        self, lock: LeasedLock, task: asyncio.Task[Any], grant: _spec.Grant | None
+        self,
+        lock: LeasedLock,
+        task: asyncio.Task[Any],
+        grant: _spec.Grant | None,
+        news: int | None,
     ) -> None:
         """The contender's acquisition through Redis ended: `task` holds the cohort's lease
-        now, or (no `grant`) the next waiting task contends."""
+        now, or (no `grant`) the next waiting task contends. `news`: the announcements heard
+        when the call began, if the cohort was watching then (see `_chain_quiet`)."""
         self._contending = False
         if grant is None:
             self._promote()
@@ -934,6 +961,7 @@ class Cohort:
         self._next_fence = grant.fence + 1
         self.passes = 0
         self._chain_start = _clock.monotonic()
+        self._chain_quiet(grant.alone and news == self._news, self._chain_start)
         lease = lock._new_lease(grant, self._owner(grant.token))
         self._lease = lease
         self._context.keeper.hold(lease)
@@ -942,8 +970,9 @@ class Cohort:
     def contended(
         self, lock: LeasedLock, task: asyncio.Task[Any], grant: _spec.Grant | None
     ) -> None:
-        """The acquisition of a task that was alone when it began (`take_over`) ended."""
-        self._contended(lock, task, grant)
+        """The acquisition of a task that was alone when it began (`take_over`) ended (not
+        watched: its chain counts as waited behind from its start)."""
+        self._contended(lock, task, grant, None)
         self._retire_if_idle()
 
     def take_over(self, solo: _Solo) -> None:
@@ -962,6 +991,7 @@ class Cohort:
         self._next_fence = holding.fence + 1
         self.passes = 0
         self._chain_start = self._held_since = since
+        self._chain_quiet(False, since)  # (not watched while it was alone)
         self._holder = (lock, holding)
         lease.owned_by(self._owner(holding.token))
 
@@ -1029,12 +1059,58 @@ class Cohort:
             self._retire_if_idle()
 
     def _may_pass(self) -> bool:
-        """Whether one more local pass is allowed: by count (`local_handoff`), by the time the lease
-        has stayed here, and not after a long holding."""
+        """Whether one more local pass is allowed: by count (`local_handoff`), not after a
+        holding of `CHAIN_BOUND` or more, and less than `CHAIN_BOUND` after a waiter elsewhere
+        may have queued (`_waited_since`; the chain's start while it is not watching)."""
         if self.passes >= self.local_handoff:
             return False
         now = _clock.monotonic()
-        return now - self._chain_start < CHAIN_BOUND and now - self._held_since < CHAIN_BOUND
+        if now - self._held_since >= CHAIN_BOUND:
+            return False
+        since = self._waited_since
+        if since is None:
+            if self._watching():
+                return True
+            since = self._chain_start
+        return now - since < CHAIN_BOUND
+
+    # -- told of waiters elsewhere -----------------------------------------------------------
+
+    def _listen(self) -> None:
+        """Be told when a waiter queues elsewhere behind the cohort's token (the acquire
+        script's `tell_cohort`), from its first local waiter on (an uncontended cycle
+        subscribes to nothing); the subscription is the notifier's, as a waiter's."""
+        notifier = self._context.notifier
+        if not notifier.retain_soon(self._queued):
+            return  # no link for it yet: tried again at the next local waiter
+        self._listening = True
+        notifier.listen(self._queued, self._heard)
+
+    def _unlisten(self) -> None:
+        self._listening = False
+        notifier = self._context.notifier
+        notifier.unlisten(self._queued, self._heard)
+        notifier.release(self._queued)
+
+    def _watching(self) -> bool:
+        """Whether a waiter queueing elsewhere now would be announced to it."""
+        return self._listening and self._context.notifier.watching(self._queued)
+
+    def _heard(self, hint: Hint, payload: bytes) -> None:
+        """A waiter queued elsewhere behind the token `payload` (MESSAGE), or announcements
+        may have been lost (RESYNC: the link was lost, or re-subscribed)."""
+        self._news += 1
+        if self._waited_since is not None:
+            return
+        if hint is not Hint.MESSAGE:
+            self._waited_since = self._chain_start
+        elif self.token is not None and payload == self.token.encode():
+            self._waited_since = _clock.monotonic()
+
+    def _chain_quiet(self, quiet: bool, start: float) -> None:
+        """A chain starts (a grant or a `keep`): `quiet` when nobody waited elsewhere at its
+        start and a later arrival will be announced, else counted as waiting since `start`."""
+        self._waited_since = None if quiet else start
 
     def detach(self, holding: Holding) -> None:
         """`holding` leaves the process (`detach()`): the cohort lets go of its lease
@@ -1066,9 +1142,12 @@ class Cohort:
         assert token is not None
         context, spec = self._context, self._spec
         self.token, self._lease = None, None  # the release's now (it drops it from the keeper)
-        kept: list[tuple[float, int]] = []  # (sent at, next fence) if the script kept it
+        # (sent at, next fence, whether it was watching then) if the script kept it
+        kept: list[tuple[float, int, bool]] = []
+        news = self._news
 
         async def keep_or_return() -> bool | None:
+            watched = self._watching()
             sent_at = _clock.monotonic()
             written: list[float] = []
             reply, unsure = await _release.release_reply(
@@ -1077,7 +1156,7 @@ class Cohort:
             sent_at = written[0] if written else sent_at
             status = reply.status
             if status is _release.Released.KEPT:
-                kept.append((sent_at, reply.fence))
+                kept.append((sent_at, reply.fence, watched))
                 return True
             _release.wake_granted(context, spec, reply.grants, sent_at)
             _release.handed_off(releaser, len(reply.grants))
@@ -1102,14 +1181,16 @@ class Cohort:
             if not kept:
                 self._promote()
         if kept:
-            self._keep(token, lease, releaser, *kept[0])
+            sent_at, fence, watched = kept[0]
+            self._keep(token, lease, releaser, sent_at, fence)
+            self._chain_quiet(watched and news == self._news, sent_at)
         return answer
 
     def _keep(
         self, token: str, lease: Lease, releaser: _spec.Spec, sent_at: float, fence: int
     ) -> None:
-        """The release script let the cohort keep its lease: the next local task holds it,
-        the first of a new block (that pass came from Redis)."""
+        """The release script let the cohort keep its lease (nobody queued on the server):
+        the next local task holds it, the first of a new block (that pass came from Redis)."""
         waiter = self._next_waiter() if self.token is None and not self._contending else None
         if waiter is None:
             # The waiters gave up while the call was in flight (or another contends now):
@@ -1126,7 +1207,11 @@ class Cohort:
 
     def _retire_if_idle(self) -> None:
         """Forget this cohort once nobody uses it (names may be many and short-lived)."""
-        if self.idle and self._cohorts.get(self._key) is self:
+        if not self.idle:
+            return
+        if self._listening:
+            self._unlisten()
+        if self._cohorts.get(self._key) is self:
             del self._cohorts[self._key]
 
     def _let_go(self) -> None:
@@ -1147,3 +1232,4 @@ class Cohort:
             lock, holding = holder
             lock._lease_lost(holding, reason)
         self._promote()
+        self._retire_if_idle()

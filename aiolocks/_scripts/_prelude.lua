@@ -251,6 +251,16 @@ local function announce(channel, token, fence, ttl, tag, caller_tag)
   end
 end
 
+-- A waiter queued behind `holder`: when that is a local hand-off cohort's token (it ends in
+-- "+<k>", see fence_block), its process is told, on the channel's "queued" twin (the same
+-- hash tag: the same slot), which only a cohort holding the name listens to: its local
+-- passes stop within their time bound of this (see Cohort, _engine/_leasedlock.py).
+local function tell_cohort(channel, holder)
+  if holder and string.find(holder, '+', 1, true) then
+    redis.call(SHARDED_PUBSUB and 'SPUBLISH' or 'PUBLISH', channel .. ':queued', holder)
+  end
+end
+
 -- Record a grant for the reply: {..., token, fence, ttl} (the caller wakes local waiters).
 local function note_grant(grants, token, fence, ttl)
   grants[#grants + 1] = token

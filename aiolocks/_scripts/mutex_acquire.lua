@@ -5,6 +5,7 @@
 -- KEYS[4] fence    STRING fencing counter, a hybrid logical clock (grant_fence, _prelude.lua)
 -- ARGV[1] member   "<token>:<ttl_ms>:<tag>:x" (see _prelude.lua)
 -- ARGV[2] 'wait' to queue when busy, 'try' not to    ARGV[3] channel for grants
+-- Queued behind a local hand-off cohort's token, it tells the cohort (tell_cohort).
 -- Returns fence, an integer, when the caller takes it free with nobody queued (an integer
 --         reply costs the server about 5,000 instructions less than a table),
 --         {1, fence} when the caller holds it otherwise (also when it already did: idempotent),
@@ -65,6 +66,7 @@ end
 
 if mode == 'wait' then
   enqueue(queue, waiters, member, now, ttl)
+  tell_cohort(channel, current)
   return {0, redis.call('PTTL', owner), fence_floor(fence_key, stored)}
 end
 return {-1, redis.call('PTTL', owner), fence_floor(fence_key, stored)}

@@ -167,13 +167,15 @@ class Notifier:
     # -- the subscriptions ---------------------------------------------------------------
 
     def watching(self, wake: bytes) -> bool:
-        """True when grants on `wake` are known to reach this process."""
+        """True when grants on `wake` are known to reach this process (subscribed, and its
+        link read and not found lost)."""
         channel = self._channels.get(wake)
         return (
             channel is not None
             and channel.confirmed is not None
             and channel.confirmed.done()
             and channel.link.reading
+            and channel.link.connected
         )
 
     async def retain(self, wake: bytes, watch_key: bytes | None) -> None:
@@ -211,10 +213,7 @@ class Notifier:
                 channel = self._channels[wake] = _Channel(wake, keyspace, link)
                 if keyspace is not None:
                     self._by_keyspace[keyspace] = wake
-        channel.refs += 1
-        if channel.linger is not None:
-            channel.linger.cancel()
-            channel.linger = None
+        self._take(channel)
         try:
             if channel.confirmed is None:
                 channel.confirmed = asyncio.get_running_loop().create_future()
@@ -233,6 +232,39 @@ class Notifier:
         except BaseException:
             self.release(wake)  # cancelled: the caller never got the reference
             raise
+
+    def retain_soon(self, wake: bytes) -> bool:
+        """`retain` (no keyspace channel) without waiting: the reference is taken now and
+        the channel subscribed in the background, if it is not yet (`watching` tells when it
+        is confirmed). False, with no reference, when no link can carry it yet (or the
+        notifier is closed)."""
+        if self._closed:
+            return False
+        channel = self._channels.get(wake)
+        if channel is None:
+            try:
+                link = self._link_for(wake)
+            except Exception as exc:  # no node known for the slot (yet: a Cluster client's
+                # slots are learnt by its first command, which `retain` makes first)
+                log.debug("aiolocks: no pub/sub link for %r: %r", wake, exc)
+                return False
+            channel = self._channels[wake] = _Channel(wake, None, link)
+        self._take(channel)
+        if channel.confirmed is None:
+            self._spawn(self._subscribe_soon(channel))
+        return True
+
+    async def _subscribe_soon(self, channel: _Channel) -> None:
+        with contextlib.suppress(*_LINK_DOWN):  # not watching: the caller knows (`watching`)
+            await self._server_facts()
+            await self._resubscribe(channel)  # (its re-sync tells the listeners it is on)
+
+    @staticmethod
+    def _take(channel: _Channel) -> None:
+        channel.refs += 1
+        if channel.linger is not None:
+            channel.linger.cancel()
+            channel.linger = None
 
     def release(self, wake: bytes) -> None:
         """Drop a reference taken by `retain`; the channel lingers before unsubscribing."""

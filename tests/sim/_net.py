@@ -148,6 +148,11 @@ class Net:
         # Slow replies to lease renewals: (until, extra delay), per process (None: all).
         self.slow_renewals: dict[Proc | None, tuple[float, float]] = {}
         self.clock_steps: list[tuple[float, float]] = []  # (when, seconds back)
+        # A waiter queued behind a cohort's token (the acquire script's `tell_cohort`): when
+        # the news reached each subscribed process, by (process, token): the message's
+        # arrival, or, when it was lost, the arrival of the reset that lost it (the oracle's
+        # EXTRA WAIT counts the cohort's time bound from there).
+        self.announced: dict[tuple[Proc, str], list[float]] = {}
 
     def server_time(self) -> float:
         """The server's clock now (seconds since the epoch): virtual time, as stepped."""
@@ -421,8 +426,11 @@ class Conn:
             if isinstance(reply, list) and reply and reply[0] in (b"subscribe", b"ssubscribe"):
                 self.subscriber = True
             push = _is_push(reply)
+            told = push and bytes(reply[1]).endswith(b":queued")
             if push and self.push_loss and self.net.rng.random() < self.push_loss:
                 self.net.log(f"{self.proc.name} c{self.id} LOST {_summary(reply)}")
+                if told:
+                    self._told(bytes(reply[2]), max(self.down_at, self.loop.time()) + 1e-7)
                 self.reset("a pub/sub message was lost")
                 return
             out: list[bytes] = []
@@ -432,7 +440,12 @@ class Conn:
                 what = "push" if push else "<"
                 self.net.log(f"{self.proc.name} c{self.id} {what} {_summary(reply)}")
             self.down_at = self._arrival(self.down_at, self.push_delay if push else extra)
+            if told:
+                self._told(bytes(reply[2]), self.down_at)
             self.loop.call_at(self.down_at, self._arrive_down, data, context=self.client_context)
+
+    def _told(self, token: bytes, at: float) -> None:
+        self.net.announced.setdefault((self.proc, token.decode()), []).append(at)
 
     def _arrive_down(self, data: bytes) -> None:
         if self.transport.lost:

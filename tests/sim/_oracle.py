@@ -22,13 +22,16 @@ simulator saw the granting or renewing request written on its connection:
   validity computed here plus the documented bound; `_workload` checks that the body of
   `async with` is cancelled and `LockLost` raised.
 - **EXTRA WAIT**: a waiter elsewhere waits, beyond strict FIFO, for at most `local_handoff`
-  local holdings of a cohort and at most 10 ms of them, plus the holding under way then
-  (docs/mutex.md, "Fairness"). From the server's record of each name (`Tenure`: a token's
-  owner key, from its grant or its last `keep` to the next change of owner or fence
-  block) and the holdings the simulator saw begin, on its own clock: once another
-  token's live entry is in the queue, no holding of the cohort's token begins more than
-  10 ms after its chain came from Redis (the `keep` on the server, or the first holding
-  of a grant), nor after a holding of 10 ms, nor past the count.
+  local holdings of a cohort and at most 10 ms of them after the news of its queueing
+  reached the cohort's process, plus the holding under way then (docs/mutex.md,
+  "Fairness"). From the server's record of each name (`Tenure`: a token's owner key, from
+  its grant or its last `keep` to the next change of owner or fence block) and the
+  holdings the simulator saw begin, on its own clock: once another token's live entry is
+  in the queue (at Q), no holding of the cohort's token begins more than 10 ms after the
+  later of when its chain came from Redis (the `keep` on the server, or the first holding
+  of a grant) and when the news reached its process (the queueing script's message on the
+  name's "queued" channel, or the reset that lost it: `Net.announced`; Q if none was
+  sent), nor after a holding of 10 ms, nor past the count.
 
 Excused, each where it is checked: a restart without persistence (`_restart_excuse`: a
 belief from before it lasts until the holder's next renewal tells it, ttl/3 after; the
@@ -453,18 +456,19 @@ class Oracle:
                 continue  # (a lease handed over is the adopter's, not the cohort's)
             count = int(tenure.token.rsplit("+", 1)[1]) - 1  # its block: local_handoff + 1
             came = tenure.start if tenure.kept else holds[0].start
+            since = max(came, self._told(holds[0].proc, tenure))
             for i, hold in enumerate(holds[1:], 1):
                 if hold.start <= tenure.waited:
                     continue
                 proc = hold.proc
-                chain = hold.start - came - proc.stalled_between(came, hold.start)
+                chain = hold.start - since - proc.stalled_between(since, hold.start)
                 after = holds[i - 1]
                 held = hold.start - after.start - proc.stalled_between(after.start, hold.start)
                 why = ""
                 if i > count:
                     why = f"the {i + 1}th holding in a row (local_handoff={count})"
                 elif chain > FAIR_TIME + FAIR_SLACK:
-                    why = f"{chain * 1000:.1f} ms after the name came from Redis"
+                    why = f"{chain * 1000:.1f} ms after the name came from Redis or the news"
                 elif held > FAIR_TIME + FAIR_SLACK:
                     why = f"after a holding of {held * 1000:.1f} ms"
                 if why:
@@ -478,6 +482,15 @@ class Oracle:
                         f"{count}, plus the one under way)",
                     )
                     break
+
+    def _told(self, proc: Proc, tenure: Tenure) -> float:
+        """When the news that another token queued behind `tenure`'s reached `proc` (the
+        first message, or reset that lost one, from the tenure's first waiter on); when
+        none was sent, the queueing itself (the cohort must then count from its chain's
+        start)."""
+        assert tenure.waited is not None
+        arrivals = self.net.announced.get((proc, tenure.token), ())
+        return min((at for at in arrivals if at >= tenure.waited - _EPS), default=tenure.waited)
 
 
 def _keys_of(fields: list[bytes]) -> list[bytes]:

@@ -684,6 +684,40 @@ async def cohort_at_its_bound_while_another_waits(scene: Scene) -> None:
 
 
 @scenario
+async def cohort_told_of_a_waiter_elsewhere(scene: Scene) -> None:
+    """Issue 45: P's three tasks pass a cohort's lease among themselves in 2 ms holdings with
+    a count that never binds, nobody waiting elsewhere, so the chain stays in P past 10 ms
+    (its `keep` answered "nobody queued" while P watched the announcements). Then Q (strict
+    FIFO) queues: the acquire script's message tells P, which lets go within 10 ms of its
+    arrival (EXTRA WAIT); a cohort deaf to it would pass on for another 0.2 s."""
+    p, q = scene.proc("P"), scene.proc("Q")
+    clients = scene.world.clients
+    scene.run.strict = set()  # (a cohort's token owns the name between its local holders)
+    granted: list[float] = []
+
+    async def local(lock: RedisMutex, who: str) -> None:
+        for _ in range(60):
+            hold = await scene.acquire(p, lock, who, timeout=5)
+            await asyncio.sleep(0.002)
+            await scene.release(p, lock, hold, who)
+
+    async def remote() -> None:
+        await asyncio.sleep(0.1)
+        lock = RedisMutex(clients[q], "m", ttl=1.0, local_handoff=0)
+        hold = await scene.acquire(q, lock, "Q1", timeout=5)
+        granted.append(scene.at())
+        await asyncio.sleep(0.002)
+        await scene.release(q, lock, hold, "Q1")
+
+    chain = RedisMutex(clients[p], "m", ttl=1.0, local_handoff=10_000)
+    tasks = [scene.start(p, local(chain, f"P{i}"), f"P{i}") for i in range(3)]
+    tasks.append(scene.start(q, remote(), "Q1"))
+    await asyncio.wait(tasks, timeout=10)
+    if len(granted) != 1:
+        scene.world.violate(f"Q was granted {len(granted)} of its 1 acquisition")
+
+
+@scenario
 async def cohort_keeps_past_its_renewal(scene: Scene) -> None:
     """Issue 45: P1 holds the cohort's lease 0.2 s (past the 10 ms bound) while P2 waits
     in P and nobody elsewhere: its release keeps the lease (a fresh lease and fence block,

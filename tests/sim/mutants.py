@@ -205,11 +205,27 @@ MUTANTS = [
     Mutant(
         "cohort-ignores-time-bound",
         "aiolocks/_engine/_leasedlock.py",
-        "        return now - self._chain_start < CHAIN_BOUND"
-        " and now - self._held_since < CHAIN_BOUND",
+        "        now = _clock.monotonic()\n"
+        "        if now - self._held_since >= CHAIN_BOUND:\n"
+        "            return False\n"
+        "        since = self._waited_since\n"
+        "        if since is None:\n"
+        "            if self._watching():\n"
+        "                return True\n"
+        "            since = self._chain_start\n"
+        "        return now - since < CHAIN_BOUND",
         "        return True",
         "a cohort passes locally past its 10 ms (the count its only bound): a waiter elsewhere"
         " waits up to 16 holdings of any length",
+    ),
+    Mutant(
+        "cohort-ignores-announcement",
+        "aiolocks/_engine/_leasedlock.py",
+        "        elif self.token is not None and payload == self.token.encode():\n"
+        "            self._waited_since = _clock.monotonic()",
+        "        elif self.token is not None and payload == self.token.encode():\n            pass",
+        "a cohort is not told that a waiter queued elsewhere: while it is watching, it passes"
+        " locally up to its count, whatever the holdings' length",
     ),
     Mutant(
         "cohort-loss-untold",
