@@ -9,7 +9,7 @@ from ._base import _spec
 from ._base._adapter import text
 from ._base._clients import AnyRedis
 from ._base._errors import map_redis_errors
-from ._base._keys import DEFAULT_PREFIX, KeySpace
+from ._base._keys import DEFAULT_PREFIX, name_tag
 from ._base._query import query
 from ._base._telemetry import Counters
 from ._engine._leasedlock import DEFAULT_LOCAL_HANDOFF, MAX_LOCAL_HANDOFF, LeasedLock
@@ -38,16 +38,14 @@ class MutexInfo:
 def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spec.Spec:
     """The engine's view of the mutex `name`: its keys, channel and scripts (`counters`: an
     instance's cumulative counts, when several specs share them)."""
-    keys = KeySpace(prefix, "mutex", name)
-    owner, queue, waiters, fence = (
-        keys.key(part) for part in ("owner", "queue", "waiters", "fence")
-    )
+    tag = name_tag(prefix, "mutex", name)
+    owner, queue, waiters, fence = tag + b"owner", tag + b"queue", tag + b"waiters", tag + b"fence"
     return _spec.Spec(
         name=name,
         side="x",
         keys=(owner, queue, waiters, fence),
         heartbeat_keys=(waiters, queue),
-        channel=keys.key("wake"),
+        channel=tag + b"wake",
         watch_key=owner,
         acquire=_ACQUIRE,
         release=_RELEASE,
@@ -104,8 +102,9 @@ class RedisMutex(LeasedLock):
         `max_hold` the instance is strict FIFO (an explicit `local_handoff=N` with it is
         a `ValueError`)."""
         if local_handoff is None:  # the default: a cohort, unless max_hold needs strict FIFO
-            local_handoff = 0 if max_hold is not None else DEFAULT_LOCAL_HANDOFF
-        self._local_handoff = validate_int(local_handoff, "local_handoff", 0, MAX_LOCAL_HANDOFF)
+            self._local_handoff = 0 if max_hold is not None else DEFAULT_LOCAL_HANDOFF
+        else:
+            self._local_handoff = validate_int(local_handoff, "local_handoff", 0, MAX_LOCAL_HANDOFF)
         super().__init__(
             client, name, ttl=ttl, timeout=timeout, prefix=prefix, on_lost=on_lost,
             replicas=replicas, replica_timeout=replica_timeout, max_hold=max_hold,

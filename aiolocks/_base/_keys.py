@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PREFIX", "MAX_NAME_BYTES", "KeySpace", "validate_name", "validate_prefix"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "MAX_NAME_BYTES",
+    "KeySpace",
+    "name_tag",
+    "validate_name",
+    "validate_prefix",
+]
 
 DEFAULT_PREFIX = "aiolocks"
 # A name is part of every key and channel of its primitive (and of every grant message's
@@ -37,6 +45,18 @@ def validate_prefix(prefix: object) -> str:
     return validate_name(prefix, "prefix")
 
 
+@functools.lru_cache(maxsize=256)
+def _opening(prefix: str, kind: str) -> bytes:
+    """`<prefix>:<kind>:{`, encoded: the same for every name of a kind under a prefix."""
+    return f"{prefix}:{kind}:{{".encode()
+
+
+def name_tag(prefix: str, kind: str, name: str) -> bytes:
+    """`<prefix>:<kind>:{<name>}:`, encoded: each key of the primitive is it and a part.
+    (A primitive made per request builds its keys from it, the prefix's share cached.)"""
+    return _opening(prefix, kind) + name.encode() + b"}:"
+
+
 @dataclass(frozen=True, slots=True)
 class KeySpace:
     """The keys of one primitive: `<prefix>:<kind>:{<name>}:<part>`, pre-encoded once."""
@@ -46,7 +66,7 @@ class KeySpace:
     name: str
 
     def key(self, part: str) -> bytes:
-        return f"{self.prefix}:{self.kind}:{{{self.name}}}:{part}".encode()
+        return name_tag(self.prefix, self.kind, self.name) + part.encode()
 
 
 def parse_key(key: bytes) -> tuple[str, str, str]:
