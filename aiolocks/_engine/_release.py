@@ -109,11 +109,14 @@ class ReleaseReply(NamedTuple):
     @classmethod
     def decode(cls, reply: Sequence[Any] | int) -> ReleaseReply:
         if isinstance(reply, int):
-            return cls(_RELEASED[reply])
+            return _STATUS_ALONE[reply]
         status = _RELEASED[int(reply[0])]
         if status is Released.KEPT:
             return cls(status, (), int(reply[1]))
         return cls(status, granted_in(reply, 1))
+
+
+_STATUS_ALONE = {status.value: ReleaseReply(status) for status in Released}  # (made once)
 
 
 async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -> bool | None:
@@ -128,8 +131,9 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     sent_at = _clock.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
     reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
-    wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
-    handed_off(spec, len(reply.grants))
+    if reply.grants:
+        wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
+        handed_off(spec, len(reply.grants))
     held = reply.status is Released.HELD
     return None if unsure and not held else held
 
@@ -466,7 +470,9 @@ class _ValidityBound:
         # Itself the callback, in one shared empty context: no bound method and no copy
         # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        return loop.call_later(self.end() - _clock.monotonic(), self, context=_NO_CONTEXT)
+        return loop.call_at(
+            loop.time() + (self.end() - _clock.monotonic()), self, context=_NO_CONTEXT
+        )
 
     def __call__(self) -> None:
         if self.end() > _clock.monotonic():
