@@ -73,6 +73,7 @@ SCENARIOS = {
     "cohort-at-its-bound-while-another-waits": "a waiter elsewhere past the 10 ms bound",
     "cohort-keeps-past-its-renewal": "a kept lease renewed from the keep's request",
     "cohort-pass-at-the-drift-margin": "a lease lapsed inside the 10 ms, passed locally",
+    "cohort-told-during-a-long-holding": "a long holding passed on, the news of a waiter in",
     "cohort-turns-cancelled-and-handed-over": "a turn cancelled as it comes; a detached cohort",
     "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
     "clock-back": "issue 33: fences rise across a server clock stepped back",
