@@ -639,3 +639,26 @@ async def test_a_resign_under_way_when_its_client_is_closed_is_answered_first(
     await client.aclose()
     await asyncio.wait_for(leading, 5)  # the resign was answered: no ClientClosed
     assert await RedisElection(direct, "closed-under-a-resign").leader() is None
+
+
+async def test_a_subscription_begun_in_the_background_ends_with_its_client(
+    valkey_notify: ServerProcess, direct: redis.asyncio.Redis
+) -> None:
+    """A cohort's first local waiter subscribes to its announcements in the background
+    (`Notifier.retain_soon`), behind another subscription on the same link; its user closes
+    the client meanwhile. Before, the background subscription went on after the close (a
+    burst of 200 names did so in CI) and opened a pub/sub connection nobody closed: a
+    socket left on the server, and a ResourceWarning at the next garbage collection."""
+    name = "subscribed-as-closed"
+    client = redis.asyncio.Redis.from_url(valkey_notify.url, client_name=name)
+    notifier = context_for(client).notifier
+    await notifier._server_facts()  # known from an earlier wait
+    queued = b"aiolocks:{subscribed-as-closed}:queued"
+    assert notifier.retain_soon(queued)
+    async with notifier._channels[queued].link.lock:  # another subscription under way
+        await asyncio.sleep(0)  # the background subscription waits for the link
+        await asyncio.wait_for(client.aclose(), 5)
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    if others:
+        await asyncio.wait(others, timeout=5)  # whatever the close left running has ended
+    assert [c for c in await direct.client_list() if c.get("name") == name] == []

@@ -111,6 +111,9 @@ class Notifier:
         self._facts: asyncio.Future[ServerFacts] | None = None
         self._sharded = False  # set from the facts before the first subscription
         self._closed = False  # with its client's engine: it subscribes no more
+        # Background (un)subscriptions, cancelled by `aclose` so none opens a connection
+        # after it (which nobody would close).
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- what the notifier is told, and what it means ------------------------------------
 
@@ -287,8 +290,7 @@ class Notifier:
             return
         self._forget(channel)
         if channel.link.pubsub is not None and channel.confirmed is not None:
-            task = asyncio.get_running_loop().create_task(self._unsubscribe(channel))
-            task.add_done_callback(_ignore_result)
+            self._spawn(self._unsubscribe(channel))
 
     def _forget(self, channel: _Channel) -> None:
         del self._channels[channel.wake]
@@ -330,6 +332,8 @@ class Notifier:
     async def _subscribe(self, channel: _Channel) -> None:
         link = channel.link
         async with link.lock:
+            if self._closed:  # closed while this waited for the lock: no new connection
+                raise redis.exceptions.ConnectionError("the notifier is closed")
             await link.subscribe(channel.wake, channel.keyspace, self._sharded)
             if not link.reading:
                 self._start_reader(link)
@@ -404,10 +408,16 @@ class Notifier:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_ignore_result)
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._tasks:  # ended before the links close, so what they opened is closed too
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.wait(list(self._tasks), timeout=_CONFIRM_BOUND)
         for link in list(self._links.values()):
             reader, link.reader = link.reader, None
             if reader is not None and reader is not asyncio.current_task():

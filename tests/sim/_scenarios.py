@@ -503,9 +503,9 @@ async def _clock_steps_back(scene: Scene, at: float, step: float, local_handoff:
 @scenario
 async def crash_while_queued(scene: Scene) -> None:
     """Issue 33: D dies while three of its tasks wait in the queue of "m" (ttl 1 s), ahead
-    of W; when H releases 1.25 s later, D's entries are dead (and no re-check of W's has
-    purged them yet) and W must be granted at once (a queue that does not purge them grants
-    the dead, and W waits a ttl per entry)."""
+    of W, before D's first heartbeat; when H releases about 1.6 s later, D's entries are dead
+    (and no re-check of W's has purged them yet) and W must be granted at once (a queue that
+    does not purge them grants the dead, and W waits a ttl per entry)."""
     h, d, w = scene.proc("H"), scene.proc("D"), scene.proc("W")
     clients = scene.world.clients
     released: list[float] = []
@@ -541,7 +541,10 @@ async def crash_while_queued(scene: Scene) -> None:
         scene.start(d, dead(f"D{i}"), f"D{i}")
     await asyncio.sleep(0.05)
     scene.start(w, waiter(), "W")
-    await asyncio.sleep(0.4)
+    # D dies before its first heartbeat (ttl/3 after it queued): its entry's deadline is
+    # then the one its queueing wrote, which a heartbeat would have rewritten (a mutant
+    # that writes a wrong deadline there survived when D lived to heartbeat once).
+    await asyncio.sleep(0.1)
     scene.world.crash(d)
     await asyncio.sleep(12)
 
