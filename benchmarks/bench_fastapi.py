@@ -21,7 +21,8 @@ it (an overlap loses an update). The ratios the FastAPI page promises are printe
 
 `--rounds N` (N > 1), for ratios that hold on a shared machine: one server per install and
 worker count stays up and serves every mode, and the modes take turns in N short rounds
-(`--seconds` each; each round starts at the next mode, the installs in turn within it), so
+(`--seconds` each; each round starts at the next mode, the installs in turn within it,
+first to last in odd rounds and last to first in even ones), so
 load that comes and goes falls on every mode alike. Each ratio is then taken within a round
 (mode and baseline measured seconds apart) and printed per round, with the median and the
 spread (min-max) over the rounds; beside requests/s, the CPU the server's processes spent
@@ -358,7 +359,10 @@ def measure_rounds(
                     warm(port, mode, script)
             for index in range(rounds):
                 for mode in (*modes[index % len(modes) :], *modes[: index % len(modes)]):
-                    for label, (port, pid) in servers.items():
+                    turns = list(servers.items())
+                    if index % 2:
+                        turns.reverse()  # (whoever goes first after a mode switch, in turn)
+                    for label, (port, pid) in turns:
                         asyncio.run(counted(url, mode))
                         calls = asyncio.run(script_calls(url))
                         cpu = tree_cpu(pid)
