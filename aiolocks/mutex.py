@@ -90,8 +90,8 @@ class RedisMutex(LeasedLock):
     ) -> None:
         """`local_handoff=N` (N > 0) lets this process's tasks pass the lock among
         themselves, without a round trip, up to N times in a row and for at most 10 ms after
-        a waiter of another process queues (none after a holding that long) before it goes
-        back to the global FIFO queue: much higher throughput under
+        a waiter of another process queues (from then on, none after a holding that long)
+        before it goes back to the global FIFO queue: much higher throughput under
         contention from one process, for bounded unfairness across processes. Fences stay
         strictly increasing across all holders. 0 is strict FIFO; None (the default) is
         16 (`DEFAULT_LOCAL_HANDOFF`), or 0 when `max_hold` is given.

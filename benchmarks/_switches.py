@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiolocks import mutex, registry
-from aiolocks._engine import _acquire
+from aiolocks._base import _clock
+from aiolocks._engine import _acquire, _leasedlock
 from aiolocks._leases import _keeper
 from aiolocks._transport import _runner
 from aiolocks._waiting import _notifier
@@ -77,6 +78,18 @@ def _no_renewal_batch() -> None:
     _set(_keeper, "BATCH", 1)()  # its imported copy (a round: 8 calls' worth)
 
 
+def _no_long_quiet_passes() -> None:
+    bound = _leasedlock.CHAIN_BOUND
+    may_pass = _leasedlock.Cohort._may_pass
+
+    def held_rule(self: _leasedlock.Cohort) -> bool:  # the rule before issue 45's change
+        if _clock.monotonic() - self._held_since >= bound:
+            return False
+        return may_pass(self)
+
+    _leasedlock.Cohort._may_pass = held_rule  # type: ignore[method-assign]
+
+
 SWITCHES: dict[str, Switch] = {
     "autopipelining": Switch(
         "script calls of one loop iteration go out as one pipeline on one connection",
@@ -117,6 +130,11 @@ SWITCHES: dict[str, Switch] = {
         "one renew_batch script call renews up to 250 leases",
         "aiolocks._leases._keeper.BATCH = 1 (its round: 8 calls)",
         _no_renewal_batch,
+    ),
+    "long_quiet_passes": Switch(
+        "a cohort nobody waits behind elsewhere passes on after a holding of 10 ms or more",
+        "aiolocks._engine._leasedlock.Cohort._may_pass -> never after a holding of CHAIN_BOUND",
+        _no_long_quiet_passes,
     ),
     "cohorts": Switch(
         f"RedisMutex(local_handoff={LOCAL_HANDOFF}): the process's tasks pass the lease on",

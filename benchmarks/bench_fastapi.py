@@ -4,10 +4,13 @@
     python benchmarks/bench_fastapi.py --base 785f6d6      # and commit 785f6d6 beside it
     python benchmarks/bench_fastapi.py --python base=/tmp/b/.venv/bin/python@/tmp/b/benchmarks \\
         --python head=.venv/bin/python                     # two installs, side by side
+    python benchmarks/bench_fastapi.py --flip long_quiet_passes  # and with a switch flipped
 
 `--base REV` checks REV out in a temporary git worktree (removed at the end) and serves
 this checkout's app with REV's `aiolocks` (first on `PYTHONPATH`, same interpreter), so
 both run the same modes. (`--python ...@DIR`: serve the `_fastapi_app.py` of DIR instead.)
+`--flip NAME` serves this checkout once more with the optimization NAME of `_switches.py`
+flipped in its workers (column `flip:NAME`), to measure it with and without in one run.
 
 Serves `_fastapi_app.py` (its `MODES`: a lock per order id, a 5 ms body and a counter
 under it) with `uvicorn --workers N` and runs `wrk` (Debian: `apt-get install wrk`) with
@@ -18,11 +21,13 @@ it (an overlap loses an update). The ratios the FastAPI page promises are printe
 
 `--rounds N` (N > 1), for ratios that hold on a shared machine: one server per install and
 worker count stays up and serves every mode, and the modes take turns in N short rounds
-(`--seconds` each; each round starts at the next mode, the installs in turn within it), so
+(`--seconds` each; each round starts at the next mode, the installs in turn within it,
+first to last in odd rounds and last to first in even ones), so
 load that comes and goes falls on every mode alike. Each ratio is then taken within a round
 (mode and baseline measured seconds apart) and printed per round, with the median and the
 spread (min-max) over the rounds; beside requests/s, the CPU the server's processes spent
-per request (its whole process tree, from /proc).
+per request (its whole process tree, from /proc) and the script calls the Redis server ran
+per request (`INFO commandstats`; the modes take turns, so one mode's calls at a time).
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio
-from _fastapi_app import MODES, ORDER_COUNTER, URL_ENV
+from _fastapi_app import FLIP_ENV, MODES, ORDER_COUNTER, URL_ENV
 from _harness import bench_server, free_loopback_port, machine, write_json
+from _switches import SWITCHES
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "fastapi.json"
@@ -80,6 +86,7 @@ class Install:
     python: str
     app_dir: Path = HERE
     pythonpath: Path | None = None
+    flip: str | None = None  # a switch of `_switches.py` its workers flip
 
     @classmethod
     def parse(cls, value: str) -> Install:
@@ -140,6 +147,13 @@ def wrk(port: int, mode: str, seconds: float, script: Path) -> dict[str, Any]:
     }
 
 
+async def script_calls(url: str) -> int:
+    """Script calls the server has run so far (EVALSHA and EVAL, from `INFO commandstats`)."""
+    async with redis.asyncio.Redis.from_url(url) as admin:
+        stats = await admin.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
 async def counted(url: str, mode: str) -> int:
     async with redis.asyncio.Redis.from_url(url) as admin:
         keys = [f"{ORDER_COUNTER}{mode}:{n}" for n in range(ORDERS)]
@@ -153,6 +167,9 @@ def serve(install: Install, url: str, workers: int) -> Iterator[tuple[int, int]]
     """The app under uvicorn with `workers` workers: (its port, its pid), stopped on exit."""
     port = free_loopback_port()
     env = {**os.environ, URL_ENV: url}
+    env.pop(FLIP_ENV, None)
+    if install.flip is not None:
+        env[FLIP_ENV] = install.flip
     if install.pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(install.pythonpath), os.environ.get("PYTHONPATH")])
@@ -219,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--base", metavar="REV",
         help="also serve this repository's REV (e.g. 785f6d6) beside this checkout",
     )  # fmt: skip
+    parser.add_argument(
+        "--flip", action="append", default=[], choices=SWITCHES, metavar="SWITCH",
+        help="also serve this checkout with SWITCH of _switches.py flipped (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=8.0, help="per run (default 8)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -242,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.base:
             tree = stack.enter_context(checkout(args.base))
             pythons[args.base] = Install(sys.executable, HERE, tree)
+        for name in args.flip:
+            pythons[f"flip:{name}"] = Install(sys.executable, flip=name)
         url, source = stack.enter_context(bench_server(args.url))
         script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "orders.lua"
         script.write_text(WRK_SCRIPT)
@@ -336,17 +359,26 @@ def measure_rounds(
                     warm(port, mode, script)
             for index in range(rounds):
                 for mode in (*modes[index % len(modes) :], *modes[: index % len(modes)]):
-                    for label, (port, pid) in servers.items():
+                    turns = list(servers.items())
+                    if index % 2:
+                        turns.reverse()  # (whoever goes first after a mode switch, in turn)
+                    for label, (port, pid) in turns:
                         asyncio.run(counted(url, mode))
+                        calls = asyncio.run(script_calls(url))
                         cpu = tree_cpu(pid)
                         row = wrk(port, mode, seconds, script)
                         cpu = tree_cpu(pid) - cpu
+                        calls = asyncio.run(script_calls(url)) - calls
                         row = checked(row, url, workers, mode)
-                        row["cpu_us"] = cpu / max(1, row["ok"] + row["non_2xx"]) * 1e6
+                        answered = max(1, row["ok"] + row["non_2xx"])
+                        row["cpu_us"] = cpu / answered * 1e6
+                        # (the other servers' renewals too: a few per second, idle)
+                        row["scripts_per_req"] = calls / answered
                         results[label].setdefault(f"{mode}/{workers}", []).append(row)
                         print(
                             f"{label:>{width}} {workers}w round {index + 1} {mode:<16} "
                             f"{row['per_s']:>8.1f} req/s {row['cpu_us']:>6.0f} µs CPU/req "
+                            f"{row['scripts_per_req']:.2f} scripts/req "
                             f"non-2xx {row['non_2xx']:>6} overlaps {row['overlaps']}",
                             flush=True,
                         )
@@ -377,7 +409,9 @@ def summarize_rounds(pythons: dict[str, Install], results: dict[str, dict[str, A
         for run, rows in results[label].items():
             print(
                 f"{label} {run}: median {statistics.median(r['per_s'] for r in rows):.0f} req/s, "
-                f"{statistics.median(r['cpu_us'] for r in rows):.0f} µs CPU/req, overlaps "
+                f"{statistics.median(r['cpu_us'] for r in rows):.0f} µs CPU/req, "
+                f"{statistics.median(r['scripts_per_req'] for r in rows):.2f} script calls/req, "
+                "overlaps "
                 f"{sum(r['overlaps'] for r in rows if r['counter_exact'] is not None)}"
             )
 

@@ -12,6 +12,7 @@ can be taken at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -36,6 +37,7 @@ from aiolocks import (
 )
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import cohorts_of
+from aiolocks._waiting import _notifier as notifier_module
 
 pytestmark = pytest.mark.faults
 
@@ -243,3 +245,37 @@ async def test_a_cancelled_query_is_never_swallowed(valkey_notify: ServerProcess
     )
     assert swallowed == {}, outcomes
     assert all(c["cancelled"] > 0 for c in outcomes.values()), outcomes
+
+
+async def test_a_deadline_swallowed_by_the_subscription_write_still_bounds_the_acquire(
+    valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking `acquire(timeout=...)` whose deadline, delivered as a cancellation, is
+    swallowed by the write of its channel's SUBSCRIBE (redis-py's `asyncio.wait_for` on
+    Python 3.11, when the write completes as it lands: seed 428 of the simulation, after a
+    loop stall) returns within its timeout: the notifier raises it again before it waits
+    for the subscription's confirmation (up to 1 s, here never confirmed), not after."""
+
+    async def swallowing_subscribe(self: Any, wake: bytes, keyspace: Any, sharded: bool) -> None:
+        # The write, under which the caller's deadline passes; its cancellation dropped, as
+        # Python 3.11's wait_for does. Nothing is sent: never confirmed.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.5)
+
+    holder_client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    waiter_client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    try:
+        await holder_client.flushall()
+        holder = RedisMutex(holder_client, "swallowed-deadline")
+        assert await holder.acquire()
+        monkeypatch.setattr(notifier_module.Link, "subscribe", swallowing_subscribe)
+        started = time.monotonic()
+        got = await RedisMutex(waiter_client, "swallowed-deadline").acquire(timeout=0.1)
+        took = time.monotonic() - started
+        monkeypatch.undo()
+        await holder.release()
+    finally:
+        await holder_client.aclose()
+        await waiter_client.aclose()
+    assert got is False
+    assert took < 0.1 + 0.4, took  # (before the fix: the 1 s confirmation bound more)

@@ -31,7 +31,7 @@ CI_DURATION = "20"
 # (SLOW release, LATE LOSS of a lease the server had just renewed); on 723 an oracle gap,
 # OVERLAP (a grant the server ran before a restart, heard of after it); on 695 a renewal
 # answered past its lease's validity took the lease up again, its loss never told (LATE LOSS).
-FOUND_SEEDS = ["20", "114", "365", "451", "74", "373", "165", "964", "723", "695"]
+FOUND_SEEDS = ["20", "114", "365", "451", "74", "373", "165", "964", "723", "695", "428"]
 
 
 def _simulate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -73,6 +73,7 @@ SCENARIOS = {
     "cohort-at-its-bound-while-another-waits": "a waiter elsewhere past the 10 ms bound",
     "cohort-keeps-past-its-renewal": "a kept lease renewed from the keep's request",
     "cohort-pass-at-the-drift-margin": "a lease lapsed inside the 10 ms, passed locally",
+    "cohort-told-during-a-long-holding": "a long holding passed on, the news of a waiter in",
     "cohort-turns-cancelled-and-handed-over": "a turn cancelled as it comes; a detached cohort",
     "restart-while-held": "issue 33: a renewal after a restart must not extend another's lease",
     "clock-back": "issue 33: fences rise across a server clock stepped back",

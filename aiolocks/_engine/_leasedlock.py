@@ -1059,20 +1059,20 @@ class Cohort:
             self._retire_if_idle()
 
     def _may_pass(self) -> bool:
-        """Whether one more local pass is allowed: by count (`local_handoff`), not after a
-        holding of `CHAIN_BOUND` or more, and less than `CHAIN_BOUND` after a waiter elsewhere
-        may have queued (`_waited_since`; the chain's start while it is not watching)."""
+        """Whether one more local pass is allowed: by count (`local_handoff`); while nobody
+        waits elsewhere (none announced, and one would be), whatever the holdings last; else
+        less than `CHAIN_BOUND` after a waiter elsewhere may have queued (`_waited_since`;
+        the chain's start while it is not watching), and not after a holding of
+        `CHAIN_BOUND` or more."""
         if self.passes >= self.local_handoff:
-            return False
-        now = _clock.monotonic()
-        if now - self._held_since >= CHAIN_BOUND:
             return False
         since = self._waited_since
         if since is None:
             if self._watching():
                 return True
             since = self._chain_start
-        return now - since < CHAIN_BOUND
+        now = _clock.monotonic()
+        return now - since < CHAIN_BOUND and now - self._held_since < CHAIN_BOUND
 
     # -- told of waiters elsewhere -----------------------------------------------------------
 

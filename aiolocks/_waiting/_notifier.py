@@ -186,18 +186,19 @@ class Notifier:
 
         Returns once the subscription is confirmed, or after a short bound: a waiter whose
         subscription is not confirmed yet still wakes on its timer. A cancellation that
-        redis-py or `wait_for` swallowed meanwhile is raised (see `_errors.redeliver_cancel`).
+        redis-py or `wait_for` swallowed meanwhile is raised (see `_errors.redeliver_cancel`),
+        before that wait too: the caller's deadline, delivered as a cancellation, bounds it.
         Holds no reference if it raises.
         """
         before = pending_cancels()
-        await self._retain(wake, watch_key)  # holds no reference if it raises
+        await self._retain(wake, watch_key, before)  # holds no reference if it raises
         try:
             redeliver_cancel(before)
         except asyncio.CancelledError:
             self.release(wake)
             raise
 
-    async def _retain(self, wake: bytes, watch_key: bytes | None) -> None:
+    async def _retain(self, wake: bytes, watch_key: bytes | None, before: int) -> None:
         channel = self._channels.get(wake)
         if channel is None:
             facts = await self._server_facts()
@@ -230,6 +231,10 @@ class Notifier:
                     channel.confirmed = None  # cancelled, maybe unsent: the next one retries
                     raise
             if not channel.confirmed.done():
+                # A cancellation the subscription's write swallowed (redis-py's `wait_for`
+                # on Python 3.11) would otherwise wait out the whole bound, past the
+                # caller's deadline: raised first.
+                redeliver_cancel(before)
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(channel.confirmed), _CONFIRM_BOUND)
         except BaseException:

@@ -686,26 +686,30 @@ async def cohort_at_its_bound_while_another_waits(scene: Scene) -> None:
         scene.world.violate(f"Q was granted {len(granted)} of its 2 acquisitions")
 
 
-@scenario
-async def cohort_told_of_a_waiter_elsewhere(scene: Scene) -> None:
-    """Issue 45: P's three tasks pass a cohort's lease among themselves in 2 ms holdings with
-    a count that never binds, nobody waiting elsewhere, so the chain stays in P past 10 ms
-    (its `keep` answered "nobody queued" while P watched the announcements). Then Q (strict
-    FIFO) queues: the acquire script's message tells P, which lets go within 10 ms of its
-    arrival (EXTRA WAIT); a cohort deaf to it would pass on for another 0.2 s."""
+async def _chain_then_a_waiter_elsewhere(
+    scene: Scene,
+    hold_for: float,
+    holdings: int,
+    go: Callable[[], Awaitable[None]],
+    began: Callable[[], None] = lambda: None,
+) -> Proc:
+    """P's three tasks pass a cohort's lease (a count that never binds) among themselves in
+    holdings of `hold_for`, `holdings` each (`began()` at each holding's start); Q (strict
+    FIFO) queues once `go()` returns, and must be granted. Returns P."""
     p, q = scene.proc("P"), scene.proc("Q")
     clients = scene.world.clients
     scene.run.strict = set()  # (a cohort's token owns the name between its local holders)
     granted: list[float] = []
 
     async def local(lock: RedisMutex, who: str) -> None:
-        for _ in range(60):
+        for _ in range(holdings):
             hold = await scene.acquire(p, lock, who, timeout=5)
-            await asyncio.sleep(0.002)
+            began()
+            await asyncio.sleep(hold_for)
             await scene.release(p, lock, hold, who)
 
     async def remote() -> None:
-        await asyncio.sleep(0.1)
+        await go()
         lock = RedisMutex(clients[q], "m", ttl=1.0, local_handoff=0)
         hold = await scene.acquire(q, lock, "Q1", timeout=5)
         granted.append(scene.at())
@@ -718,6 +722,46 @@ async def cohort_told_of_a_waiter_elsewhere(scene: Scene) -> None:
     await asyncio.wait(tasks, timeout=10)
     if len(granted) != 1:
         scene.world.violate(f"Q was granted {len(granted)} of its 1 acquisition")
+    return p
+
+
+@scenario
+async def cohort_told_of_a_waiter_elsewhere(scene: Scene) -> None:
+    """Issue 45: P's three tasks pass a cohort's lease among themselves in 2 ms holdings with
+    a count that never binds, nobody waiting elsewhere, so the chain stays in P past 10 ms
+    (its `keep` answered "nobody queued" while P watched the announcements). Then Q (strict
+    FIFO) queues: the acquire script's message tells P, which lets go within 10 ms of its
+    arrival (EXTRA WAIT); a cohort deaf to it would pass on for another 0.2 s."""
+    await _chain_then_a_waiter_elsewhere(scene, 0.002, 60, functools.partial(asyncio.sleep, 0.1))
+
+
+@scenario
+async def cohort_told_during_a_long_holding(scene: Scene) -> None:
+    """Issue 45: P's three tasks pass a cohort's lease among themselves in 15 ms holdings,
+    nobody waiting elsewhere, so the chain stays in P whatever the holdings' length. Then Q
+    (strict FIFO) queues, and the news reaches P in the last 10 ms of a holding: that
+    holding lasted 10 ms or more, so P must let go at its end (EXTRA WAIT: after a holding
+    of 10 ms, the news in), not pass it on once more because the news is less than 10 ms
+    old. (Aimed on virtual time: Q starts 6.5 ms into a holding, and its queueing call goes
+    out after a try and a subscription; the scenario checks that the news hit a holding's
+    last 10 ms.)"""
+    starts: list[float] = []
+    aim: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def began() -> None:
+        starts.append(scene.at())
+        if scene.world.now() > 0.1 and not aim.done():
+            aim.set_result(None)
+
+    async def go() -> None:
+        await aim
+        await asyncio.sleep(0.0065)
+
+    p = await _chain_then_a_waiter_elsewhere(scene, 0.015, 12, go, began)
+    news = [at for (proc, _), ats in scene.world.net.announced.items() if proc is p for at in ats]
+    start = max((s for s in starts if news and s <= news[0]), default=None)
+    if start is None or not 0.005 < news[0] - start < 0.0145:
+        scene.world.violate(f"missed its aim: the news at {news}, the holding began {start}")
 
 
 @scenario

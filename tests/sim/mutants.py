@@ -205,18 +205,24 @@ MUTANTS = [
     Mutant(
         "cohort-ignores-time-bound",
         "aiolocks/_engine/_leasedlock.py",
-        "        now = _clock.monotonic()\n"
-        "        if now - self._held_since >= CHAIN_BOUND:\n"
-        "            return False\n"
         "        since = self._waited_since\n"
         "        if since is None:\n"
         "            if self._watching():\n"
         "                return True\n"
         "            since = self._chain_start\n"
-        "        return now - since < CHAIN_BOUND",
+        "        now = _clock.monotonic()\n"
+        "        return now - since < CHAIN_BOUND and now - self._held_since < CHAIN_BOUND",
         "        return True",
         "a cohort passes locally past its 10 ms (the count its only bound): a waiter elsewhere"
         " waits up to 16 holdings of any length",
+    ),
+    Mutant(
+        "cohort-ignores-long-holding-after-news",
+        "aiolocks/_engine/_leasedlock.py",
+        "        return now - since < CHAIN_BOUND and now - self._held_since < CHAIN_BOUND",
+        "        return now - since < CHAIN_BOUND",
+        "once a waiter elsewhere is heard of, a cohort still passes on after a holding of"
+        " 10 ms or more, within 10 ms of the news",
     ),
     Mutant(
         "cohort-ignores-announcement",
