@@ -34,10 +34,11 @@ in the same run: server CPU (`INFO cpu`) per uncontended cycle and per contended
 most 1.0x, client CPU per contended acquisition at 4x4 at most 1.0x, throughput at 1x16 and 4x4
 at least 1.2x. Results in `results/cost.json`.
 
-With `--instructions`, instead: the server's instructions per uncontended cycle, counted by
-callgrind (`_instructions.py`; needs valgrind), for each build and the two peers, which the
-machine's load does not move as it moves `INFO cpu`. Results in
-`results/cost_instructions.json`.
+With `--instructions`, instead: the server's and the client's instructions per uncontended
+cycle, counted by callgrind (`_instructions.py`; needs valgrind), for each build and the two
+peers, which the machine's load does not move as it moves `INFO cpu` and the client's CPU
+time; for aiolocks, the client's count of a mutex made per cycle (as users write it) and of
+the cycle alone (one instance). Results in `results/cost_instructions.json`.
 """
 
 from __future__ import annotations
@@ -242,28 +243,39 @@ def default_config(root: Path) -> str:
 
 
 def instructions(args: argparse.Namespace) -> None:
-    """The server's instructions per uncontended cycle of each build and peer, side by side."""
+    """The server's and the client's instructions per uncontended cycle of each build and
+    peer, side by side, with ratios to the first build's."""
     clients = [
         (f"aiolocks {label} (default: {default_config(root)})", "aiolocks", root)
         for label, root in trees(args)
     ]
     clients += [("redis-py Lock", "redis-py", HERE.parent)]
     clients += [("python-redis-lock", "python-redis-lock", HERE.parent)]
-    counted = instructions_per_cycle(clients, args.cycles)
-    first, prl = counted[clients[0][0]], counted["python-redis-lock"]
-    print("server instructions per uncontended cycle (callgrind):")
-    for column, value in counted.items():
-        print(
-            f"  {column:<48} {value:>10,.0f}  {fmt(ratio(value, first), 2)}x {clients[0][0]}, "
-            f"{fmt(ratio(value, prl), 2)}x python-redis-lock"
-        )
+    counted, rounds_of = instructions_per_cycle(clients, args.cycles, args.rounds)
+    first, mine = counted[clients[0][0]], clients[0][0]
+    print("instructions per uncontended cycle (callgrind):")
+    for figure in ("server", "client", "client, one instance"):
+        print(f"  {figure}:")
+        for column, figures in counted.items():
+            value = figures.get(figure)
+            if value is not None:
+                versus = "" if column == mine else f"  {mine} is {ratio(first[figure], value):.3f}x"
+                print(f"    {column:<48} {value:>10,.0f}{versus}")
     path = Path(args.json) if args.json else RESULTS / "cost_instructions.json"
     report = {
         "benchmark": "cost_instructions",
         "aiolocks": __version__,
         "machine": machine(),
         "cycles": args.cycles,
-        "instructions_per_cycle": {column: round(value) for column, value in counted.items()},
+        "rounds": args.rounds,
+        "instructions_per_cycle": {
+            column: {figure: round(value) for figure, value in figures.items()}
+            for column, figures in counted.items()
+        },
+        "client_rounds": {
+            column: {figure: [round(value) for value in values] for figure, values in runs.items()}
+            for column, runs in rounds_of.items()
+        },
     }
     write_json(path, report)
     print(f"wrote {path}")
@@ -355,7 +367,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--instructions",
         action="store_true",
-        help="instead: the server's instructions per uncontended cycle (callgrind)",
+        help="instead: server and client instructions per uncontended cycle (callgrind)",
     )
     parser.add_argument("--json", help=f"default {RESULTS / 'cost.json'}")
     return parser.parse_args()

@@ -563,11 +563,22 @@ def _cost(data: dict[str, Any]) -> str:
 
 
 def _cost_instructions(data: dict[str, Any]) -> str:
-    """bench_cost.py --instructions: the server's instructions per uncontended cycle."""
+    """bench_cost.py --instructions: the server's and the client's instructions per
+    uncontended cycle (the client's: a mutex made per cycle, and the cycle alone)."""
     counted = data["instructions_per_cycle"]
     prl = counted["python-redis-lock"]
-    rows = [(column, _num(value), _times(value / prl)) for column, value in counted.items()]
-    return _table(("client", "instructions per cycle", "vs python-redis-lock"), rows)
+    rows = [
+        (
+            column,
+            _num(figures["server"]),
+            _times(figures["server"] / prl["server"]),
+            _num(figures.get("client")),
+            _num(figures.get("client, one instance")),
+        )
+        for column, figures in counted.items()
+    ]
+    header = ("client", "server", "vs python-redis-lock", "client", "client, one instance")
+    return f"{data.get('rounds', 1)} rounds (client: the median)\n\n" + _table(header, rows)
 
 
 def _ratelimit(data: dict[str, Any]) -> str:
