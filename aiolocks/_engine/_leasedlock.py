@@ -88,6 +88,7 @@ R = TypeVar("R")
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
 # An acquisition that waited for its process's other tasks only (`local_handoff`).
 _LOCAL_MISS = _spec.Miss(unanswered=False, local=True)
+_DEFAULT_REPLICA_TIMEOUT_MS = validate_replica_timeout(DEFAULT_REPLICA_TIMEOUT)
 _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
@@ -131,16 +132,22 @@ class LeasedLock(AsyncWithOnly):
     ) -> None:
         self._client = ensure_async_client(client)
         self._name = validate_name(name)
-        self._prefix = validate_prefix(prefix)
-        self._ttl = validate_ttl(ttl)
+        # Each setting given is checked; a default, the same object, is known good (a
+        # handler makes a mutex per request, most settings left at their defaults).
+        self._prefix = prefix if prefix is DEFAULT_PREFIX else validate_prefix(prefix)
+        self._ttl = ttl if ttl is DEFAULT_TTL else validate_ttl(ttl)
         self._ttl_ms = max(1, round(self._ttl * 1000))
-        self._timeout = validate_timeout(timeout)
+        self._timeout = None if timeout is None else validate_timeout(timeout)
         if on_lost is not None and not callable(on_lost):
             raise TypeError("on_lost must be callable")
         self._on_lost = on_lost
         self._replicas = validate_replicas(replicas, self._client)
-        self._replica_timeout_ms = validate_replica_timeout(replica_timeout)
-        self._max_hold = validate_max_hold(max_hold)
+        self._replica_timeout_ms = (
+            _DEFAULT_REPLICA_TIMEOUT_MS
+            if replica_timeout is DEFAULT_REPLICA_TIMEOUT
+            else validate_replica_timeout(replica_timeout)
+        )
+        self._max_hold = None if max_hold is None else validate_max_hold(max_hold)
         if self._max_hold is not None and self._local_handoff:
             # A cohort's lease outlives each local holding; capping one would end the chain.
             raise ValueError("max_hold cannot be combined with local_handoff")
