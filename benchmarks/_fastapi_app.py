@@ -11,6 +11,8 @@ answers). The modes (`MODES`):
   exclusion across workers);
 - `by-hand`: `async with RedisMutex(client, name)` in the endpoint, waiting;
 - `by-hand-handoff`: the same with `local_handoff=16`;
+- `by-hand-depends`: `by-hand` in an endpoint that also takes a trivial `async def`
+  dependency: what FastAPI's `Depends` costs by itself, the floor for `wait`;
 - `wait`: `request_lock(template, timeout=None)`;
 - `refuse`: `request_lock(template)` (409 when the order is held);
 - `by-hand-refuse`: `RedisMutex.acquire(blocking=False)` by hand, 409 when held;
@@ -48,7 +50,16 @@ COUNTER = "bench:slot-counter:"
 ORDER_COUNTER = "bench:order-counter:"  # + MODE:ORDER
 BODY_S = 0.005
 LOCAL_HANDOFF = 16
-MODES = ("floor", "by-hand", "by-hand-handoff", "wait", "refuse", "by-hand-refuse", "redis-py")
+MODES = (
+    "floor",
+    "by-hand",
+    "by-hand-handoff",
+    "by-hand-depends",
+    "wait",
+    "refuse",
+    "by-hand-refuse",
+    "redis-py",
+)
 
 
 @asynccontextmanager
@@ -106,6 +117,19 @@ async def by_hand_handoff(order: int, request: Request) -> int:
     client = request.state.redis
     async with RedisMutex(client, f"bench:by-hand-handoff:{order}", local_handoff=LOCAL_HANDOFF):
         return await body(client, "by-hand-handoff", order)
+
+
+async def nothing() -> None:
+    """A dependency that does nothing: FastAPI's own cost for one `Depends`."""
+
+
+@app.post("/by-hand-depends/{order}")
+async def by_hand_depends(
+    order: int, request: Request, _: Annotated[None, Depends(nothing)]
+) -> int:
+    client = request.state.redis
+    async with RedisMutex(client, f"bench:by-hand-depends:{order}"):
+        return await body(client, "by-hand-depends", order)
 
 
 wait_lock = request_lock("bench:wait:{order}", timeout=None)

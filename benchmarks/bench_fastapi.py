@@ -72,6 +72,9 @@ RATIOS = (
     ("wait / by hand, 2 workers", "wait", "by-hand", 2),
     ("wait / asyncio.Lock, 1 worker", "wait", "floor", 1),
     ("wait / by hand, 1 worker", "wait", "by-hand", 1),  # request_lock's own cost
+    # ... over what any `Depends` costs (by hand in an endpoint with a trivial dependency)
+    ("wait / by hand with a Depends, 1 worker", "wait", "by-hand-depends", 1),
+    ("wait / by hand with a Depends, 2 workers", "wait", "by-hand-depends", 2),
     ("refuse / redis-py Lock, 2 workers", "refuse", "redis-py", 2),
     ("refuse / redis-py Lock, 1 worker", "refuse", "redis-py", 1),
     ("by hand / asyncio.Lock, 1 worker", "by-hand", "floor", 1),
