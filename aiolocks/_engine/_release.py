@@ -470,9 +470,7 @@ class _ValidityBound:
         # Itself the callback, in one shared empty context: no bound method and no copy
         # of the caller's context per release (objects the garbage collector goes through).
         loop = asyncio.get_running_loop()
-        return loop.call_at(
-            loop.time() + (self.end() - _clock.monotonic()), self, context=_NO_CONTEXT
-        )
+        return loop.call_later(self.end() - _clock.monotonic(), self, context=_NO_CONTEXT)
 
     def __call__(self) -> None:
         if self.end() > _clock.monotonic():
