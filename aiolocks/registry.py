@@ -282,15 +282,13 @@ class Coalescer(Generic[K, V]):
         return await asyncio.shield(future)
 
     async def _run(self) -> None:
+        batch: dict[K, asyncio.Future[V]] = {}
         try:
             while self._pending:
                 keys = list(self._pending)[: self._max_batch]
                 batch = {key: self._pending.pop(key) for key in keys}
                 try:
                     values = await self._flush(keys)
-                except asyncio.CancelledError:
-                    _cancel(batch.values())
-                    raise
                 except Exception as exc:  # handed to every caller of the batch
                     for future in batch.values():
                         if not future.done():
@@ -300,14 +298,10 @@ class Coalescer(Generic[K, V]):
                 for future, value in zip(batch.values(), values, strict=True):
                     if not future.done():
                         future.set_result(value)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the batch in flight and those not sent yet
             pending, self._pending = self._pending, {}
-            _cancel(pending.values())
+            for future in (*batch.values(), *pending.values()):
+                future.cancel()
             raise
         finally:
             self._runner = None
-
-
-def _cancel(futures: Iterable[asyncio.Future[Any]]) -> None:
-    for future in futures:
-        future.cancel()

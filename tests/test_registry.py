@@ -21,7 +21,7 @@ from redis.crc import key_slot
 
 from aiolocks import RedisRegistry, RegistryStatistics, ServerUnavailable
 from aiolocks._engine._context import context_for
-from aiolocks.registry import MAX_NAME_BYTES
+from aiolocks.registry import MAX_NAME_BYTES, Coalescer
 
 WORKER = Path(__file__).resolve().parent / "workers" / "registry_user.py"
 
@@ -261,6 +261,26 @@ async def test_an_unreachable_server_fails_every_coalesced_caller() -> None:
     assert all(
         result.name == "users" for result in results if isinstance(result, ServerUnavailable)
     )
+
+
+async def test_a_cancelled_coalescer_cancels_its_batch_in_flight_and_the_keys_left() -> None:
+    # The runner cancelled (its loop or client going away) while a batch is sent and more
+    # keys wait: every caller's future is cancelled, none is left pending for ever.
+    sent = asyncio.Event()
+
+    async def flush(keys: list[str]) -> list[int]:
+        sent.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    coalescer: Coalescer[str, int] = Coalescer(flush, max_batch=2)
+    callers = [asyncio.ensure_future(coalescer.submit(f"n{i}")) for i in range(5)]
+    await asyncio.wait_for(sent.wait(), 5)
+    assert coalescer._runner is not None
+    coalescer._runner.cancel()
+    results = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
+    assert all(isinstance(result, asyncio.CancelledError) for result in results), results
+    assert coalescer._runner is None and not coalescer._pending
 
 
 async def test_a_wrong_key_type_is_reported_and_changes_nothing(r: redis.asyncio.Redis) -> None:
