@@ -31,7 +31,7 @@ from typing import Any, final
 from ._base import _clock, _spec
 from ._base._adapter import text
 from ._base._clients import AnyRedis
-from ._base._errors import REDIS_ERRORS, LockLost, ServerUnavailable, map_redis_errors
+from ._base._errors import REDIS_ERRORS, LockLost, ServerUnavailable, map_redis_errors, retrieved
 from ._base._keys import DEFAULT_PREFIX, KeySpace
 from ._engine._context import ClientContext, context_for
 from ._engine._leasedlock import LeasedLock
@@ -470,7 +470,7 @@ class Hub:
             self._started = asyncio.ensure_future(self._start())
             # Its failure is read even when every observer left before it ended (a Ctrl-C
             # while the first read waits): no "exception was never retrieved" at exit.
-            self._started.add_done_callback(_retrieve)
+            self._started.add_done_callback(retrieved)
         try:
             await asyncio.shield(self._started)
         except BaseException:
@@ -589,8 +589,3 @@ def info_fields(state: State) -> dict[str, Any]:
         "fencing_token": state.fence,
         "lease_remaining": max(0.0, state.lease_end - _clock.monotonic()),
     }
-
-
-def _retrieve(task: asyncio.Future[None]) -> None:
-    if not task.cancelled():
-        task.exception()

@@ -256,6 +256,13 @@ def redeliver_cancel(before: int) -> None:
         raise asyncio.CancelledError
 
 
+def retrieved(future: asyncio.Future[Any]) -> None:
+    """A done callback for a call nobody awaits any more: its error (or its end by a
+    cancellation) is read, so that asyncio never logs it as "never retrieved"."""
+    if not future.cancelled():
+        future.exception()
+
+
 def cancelling() -> bool:
     """True when the current task is being cancelled (a shutdown racing a dropped socket
     can surface from redis-py as ConnectionError instead of CancelledError)."""

@@ -571,11 +571,6 @@ async def shielded(call: Callable[[], Awaitable[T]], bound: float) -> T | None:
     return await completed(run())
 
 
-def _log_failure(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("aiolocks: a release left to finish failed: %r", task.exception())
-
-
 async def completed(awaitable: Awaitable[T]) -> T:
     """Await `awaitable` (in a task of its own) to the end even if the caller is cancelled
     meanwhile; that cancellation is re-raised once it is done, and wins over its outcome.

@@ -37,7 +37,7 @@ from redis.crc import key_slot
 from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._clients import AnyRedis, is_cluster
-from .._base._errors import REDIS_ERRORS, cancelling
+from .._base._errors import REDIS_ERRORS, cancelling, retrieved
 from .._scripts import Script
 from .._waiting._waitqueue import Waiter
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
@@ -439,7 +439,7 @@ async def send_hedged(
                 # Its outcome is read even if nobody waits for it any more, so a late
                 # error is never logged as "never retrieved".
                 call = asyncio.ensure_future(pipeline(staged))
-                call.add_done_callback(_read_outcome)
+                call.add_done_callback(retrieved)
                 pending[call] = now
                 next_try = now + patience
             done, _ = await asyncio.wait(
@@ -504,11 +504,6 @@ def read_replies(calls: list[Call], replies: list[Any]) -> Outcomes:
                 if waiter not in gone:
                     outcomes.queued.append(waiter)  # not granted when the heartbeat ran
     return outcomes
-
-
-def _read_outcome(call: asyncio.Future[Any]) -> None:
-    if not call.cancelled():
-        call.exception()
 
 
 # -- the keeper ----------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from .._base._errors import (
     EngineClosed,
     pending_cancels,
     redeliver_cancel,
+    retrieved,
 )
 from .._scripts import Script
 
@@ -120,14 +121,8 @@ async def _cancellable(execute: Callable[..., Awaitable[Any]], *args: Any, **opt
         return await asyncio.shield(call)
     except asyncio.CancelledError:
         call.cancel()
-        call.add_done_callback(_retrieved)
+        call.add_done_callback(retrieved)  # the caller left: its outcome is nobody's
         raise
-
-
-def _retrieved(call: asyncio.Future[Any]) -> None:
-    """A call its caller left: its outcome is nobody's (never logged as unretrieved)."""
-    if not call.cancelled():
-        call.exception()
 
 
 class ScriptRunner:

@@ -41,6 +41,7 @@ from .._base._errors import (
     cancelling,
     pending_cancels,
     redeliver_cancel,
+    retrieved,
 )
 from .._scripts import Script, load
 from .._transport._runner import MORE, direct_reader, install_replies, restore_protocol
@@ -410,7 +411,7 @@ class Notifier:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_ignore_result)
+        task.add_done_callback(retrieved)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -555,11 +556,6 @@ def _as_bytes(value: object) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return b""
-
-
-def _ignore_result(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 # -- one pub/sub connection ------------------------------------------------------------
