@@ -134,6 +134,32 @@ def test_overlapping_latency_faults_leave_the_link_at_its_own_latency() -> None:
     assert conn.latency == 0.0005
 
 
+def test_a_reset_link_leaves_no_loss_for_the_collector_to_report() -> None:
+    """Seed 883 (once in 1,000 seeds): at the run's closing collection the loop logged
+    "Future exception was never retrieved ConnectionResetError". The simulated transport kept
+    its protocol after the loss (asyncio's drop theirs), and the stream protocol's close
+    waiter, which asyncio marks seen only in the protocol's `__del__`, was finalized first in
+    a reference cycle. Now the transport lets go of its protocol at the loss and the waiter's
+    loss is marked seen there."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sim._net import SimTransport
+
+    async def reset() -> tuple[SimTransport, asyncio.Future[None]]:
+        conn: Any = SimpleNamespace(_close_server_side=lambda: None)
+        transport = SimTransport(conn)
+        protocol = asyncio.StreamReaderProtocol(asyncio.StreamReader())
+        transport.set_protocol(protocol)
+        transport.lose(ConnectionResetError(104, "Connection reset by peer"))
+        return transport, protocol._closed  # type: ignore[attr-defined]
+
+    transport, closed = asyncio.run(reset())
+    assert transport.protocol is None
+    assert closed._log_traceback is False  # read before exception() marks it
+    assert isinstance(closed.exception(), ConnectionResetError)
+
+
 def test_a_replayed_seed_with_a_crash_prints_nothing_at_exit() -> None:
     """Seed 125 crashes a process with acquisitions in flight: as a killed process, its tasks
     never run again, not even their clean-up when the interpreter exits (which printed
