@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import redis.asyncio
+import redis.exceptions
 from _faultreport import record
 from _faults import KINDS, Kind, Side, leftovers, make_sides
 from _servers import ServerProcess
@@ -37,6 +38,8 @@ from aiolocks import (
 )
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import cohorts_of
+from aiolocks._scripts import Script
+from aiolocks._transport._runner import AUTOPIPELINE_ENV
 from aiolocks._waiting import _notifier as notifier_module
 
 pytestmark = pytest.mark.faults
@@ -279,3 +282,43 @@ async def test_a_deadline_swallowed_by_the_subscription_write_still_bounds_the_a
         await waiter_client.aclose()
     assert got is False
     assert took < 0.1 + 0.4, took  # (before the fix: the 1 s confirmation bound more)
+
+
+async def test_a_cancellation_swallowed_by_a_failed_call_starts_no_second_attempt(
+    valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without auto-pipelining (as on Cluster), a script call whose connection fails is
+    retried once on a fresh one. If the caller was cancelled during the failed attempt and
+    redis-py dropped that cancellation (Python 3.11's `wait_for`), the retry ran a whole
+    second attempt (up to `socket_timeout`) before the cancellation was raised again. Now
+    the cancellation is raised before any retry."""
+    monkeypatch.setenv(AUTOPIPELINE_ENV, "0")
+    client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    try:
+        runner = context_for(client)  # the context is the client's script runner
+        assert runner.autopipe is None
+        attempts = 0
+        cancelled = asyncio.Event()
+
+        async def failing_execute(*command: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            if attempts == 1:
+                with contextlib.suppress(asyncio.CancelledError):  # dropped, as wait_for does
+                    await asyncio.sleep(5)
+                cancelled.set()
+                raise redis.exceptions.ConnectionError("connection lost under the call")
+            return 1
+
+        monkeypatch.setattr(runner, "_execute", failing_execute)
+        call = asyncio.ensure_future(
+            runner.run(Script("probe", "return 1", "0" * 40), (b"probe",), ())
+        )
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 5)
+        assert attempts == 1, "a second attempt ran for a caller already cancelled"
+    finally:
+        await client.aclose()

@@ -197,6 +197,7 @@ class ScriptRunner:
                 except (*CONNECTION_ERRORS, *TIMEOUT_ERRORS):
                     if not retry:
                         raise
+                    redeliver_cancel(before)  # a caller cancelled meanwhile: no second try
                     reply = await self._evalsha(script, keys, args, sent)
         redeliver_cancel(before)
         return reply
