@@ -428,6 +428,30 @@ async def test_local_waiters_time_out_and_cancel_cleanly(r: redis.asyncio.Redis)
     assert cohorts_of(context_for(r)) == {}
 
 
+async def test_a_waiter_cancelled_as_the_lock_is_released_is_skipped(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A local waiter without a timeout awaits its turn itself, so cancelling its task
+    cancels the turn at once. A release in the same step, before the cancelled task has
+    run, skips that turn and passes the lock to the next waiter; the cancelled task then
+    leaves a queue it is no longer in."""
+    name = "skipped"
+    holder = RedisMutex(r, name, ttl=10, local_handoff=4)
+    assert await holder.acquire()
+    locks = [RedisMutex(r, name, ttl=10, local_handoff=4) for _ in range(2)]
+    waiting = [asyncio.create_task(lock.acquire()) for lock in locks]
+    await asyncio.sleep(0)
+    waiting[0].cancel()
+    await holder.release()  # in the same step: waiting[0] has not run since its cancel
+    [outcome] = await asyncio.gather(waiting[0], return_exceptions=True)
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert await asyncio.wait_for(waiting[1], 10) is True
+    assert not locks[0].statistics().held_here
+    await locks[1].release()
+    assert (await RedisMutex(r, name).inspect()).owner is None
+    assert cohorts_of(context_for(r)) == {}
+
+
 @pytest.mark.usefixtures("untimed")  # (the holdings log to Redis: past 10 ms, loaded)
 async def test_the_default_is_a_bounded_local_handoff(r: redis.asyncio.Redis) -> None:
     """`RedisMutex` passes among its process's tasks by default (16 in a row at most); with

@@ -902,8 +902,11 @@ class Cohort:
         if not self._listening:
             self._listen()
         try:
-            timeout = None if deadline is None else max(0.0, deadline - _clock.monotonic())
-            await asyncio.wait((waiter.future,), timeout=timeout)
+            if deadline is None:  # cancelling the task cancels its turn with it
+                await waiter.future
+            else:
+                timeout = max(0.0, deadline - _clock.monotonic())
+                await asyncio.wait((waiter.future,), timeout=timeout)
         except BaseException:
             await self._abandon(waiter)
             raise
@@ -917,9 +920,9 @@ class Cohort:
     async def _abandon(self, waiter: _LocalWaiter) -> None:
         """A waiting task gives up (timeout, cancellation): whatever it was handed meanwhile
         goes on to the next task."""
-        if not waiter.future.done():
-            waiter.future.cancel()
-            self._queue.remove(waiter)
+        if waiter.future.cancel() or waiter.future.cancelled():
+            if waiter in self._queue:  # (a turn cancelled with its task may be gone: skipped)
+                self._queue.remove(waiter)
             return
         if waiter.future.result() is _Turn.CONTEND:
             self._contending = False
