@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
@@ -210,7 +210,8 @@ class _Acquisition:
             self.unanswered = True  # the caller learns it now; the clean-up can only wait
             raise
         finally:
-            await self.leave()
+            if (withdrawal := self.leave()) is not None:
+                await withdrawal
 
     def parks_first(self) -> bool:
         """Blocking, on a channel this client already watches: contended, most likely, so it
@@ -218,9 +219,28 @@ class _Acquisition:
         return self.blocking and self.context.notifier.watching(self.spec.channel)
 
     async def try_script(self) -> _Next:
-        """TRY: run the acquire script and go by its answer."""
+        """TRY: run the acquire script and go by its answer. The call is awaited until the
+        deadline; one that may grant or queue the token is left to finish if the caller
+        leaves (`InFlight`)."""
+        context, spec, waiter = self.context, self.spec, self.waiter
+        self.sent_at = _clock.monotonic()
+        if waiter is not None and waiter.queued_at == 0.0:
+            waiter.still_queued(self.sent_at)  # unknown to the server before this call
+        self.on_server = True
+        self.calls += 1
+        written: list[float] = []
+        self.written = written
+        mode = "try" if waiter is None else "wait"
         try:
-            reply = await self.call()
+            pending = context.run(
+                spec.acquire,
+                spec.keys,
+                (self.member, mode, spec.channel, *spec.args),
+                sent=written.append,
+            )
+            in_flight = self.in_flight = InFlight(pending, context)
+            reply: list[Any] | int = await in_flight.reply(self.deadline)
+            self.in_flight = None
         except (*AUTHENTICATION_ERRORS, *NOPERMISSION_ERRORS):
             self.on_server = self.heard_from  # refused before it ran: nothing changed by this call
             raise
@@ -232,32 +252,9 @@ class _Acquisition:
             self.miss = Miss(unanswered=False, wait_ms=self.miss.wait_ms, failure=repr(exc))
             return OUTAGE
         self.backoff, self.heard_from = RETRY_MIN, True
-        if self.written:
-            self.sent_at = self.written[0]
+        if written:
+            self.sent_at = written[0]
         return self.answer(AcquireReply.decode(reply))
-
-    async def call(self) -> list[Any] | int:
-        """One acquire call, awaited until the deadline; a call that may grant or queue the
-        token is left to finish if the caller leaves (`InFlight`)."""
-        context, spec, waiter = self.context, self.spec, self.waiter
-        self.sent_at = _clock.monotonic()
-        if waiter is not None and waiter.queued_at == 0.0:
-            waiter.still_queued(self.sent_at)  # unknown to the server before this call
-        self.on_server = True
-        self.calls += 1
-        written: list[float] = []
-        self.written = written
-        mode = "try" if waiter is None else "wait"
-        pending = context.run(
-            spec.acquire,
-            spec.keys,
-            (self.member, mode, spec.channel, *spec.args),
-            sent=written.append,
-        )
-        in_flight = self.in_flight = InFlight(pending, context)
-        reply: list[Any] | int = await in_flight.reply(self.deadline)
-        self.in_flight = None
-        return reply
 
     def answer(self, reply: AcquireReply) -> _Next:
         """Where an acquire reply leads: the grants it made (this token's, other local
@@ -342,17 +339,17 @@ class _Acquisition:
         assert self.waiter is not None
         return self.waiter
 
-    async def leave(self) -> None:
-        """However it ended: leave the local queue and the subscription, and withdraw what
-        the server may hold for the token."""
+    def leave(self) -> Awaitable[None] | None:
+        """However it ended: leave the local queue and the subscription; what withdraws
+        what the server may hold for the token, to await, if it may hold any. (Not a
+        coroutine: an acquisition granted at once has nothing to withdraw.)"""
         context, spec, waiter = self.context, self.spec, self.waiter
         if waiter is not None:
             context.waitqueue.remove(waiter)
             context.keeper.unwatch_waiter(spec.heartbeat_keys, waiter)
         if self.subscribed:
             context.notifier.release(spec.channel)
-        if self.on_server:
-            await self.withdraw()
+        return self.withdraw() if self.on_server else None
 
     async def withdraw(self) -> None:
         context, spec, token, ttl_ms = self.context, self.spec, self.token, self.ttl_ms

@@ -148,11 +148,15 @@ class Gate:
             self._empty = asyncio.get_running_loop().create_future()
         return self._empty
 
-    async def enter(self) -> None:
-        """Wait for a place (at once if one is free and nobody waits)."""
+    def enter(self) -> Awaitable[None] | None:
+        """Take a place: None when one was free and nobody waits, else what to await for
+        one. (Not a coroutine: every release asks, and nearly always finds one free.)"""
         if self.inside < self.limit and not self.waiting:
             self.inside += 1
-            return
+            return None
+        return self._wait_for_place()
+
+    async def _wait_for_place(self) -> None:
         place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting.append(place)
         try:

@@ -154,6 +154,8 @@ class LeasedLock(AsyncWithOnly):
         self._holdings: dict[asyncio.Task[Any], Holding] = {}
         self._waiting = 0
         self._spec = self._make_spec()
+        # Its cohort's key, with `local_handoff` (see `Cohort`).
+        self._cohort_key: _Key = (self._spec.channel, self._ttl_ms, self._local_handoff)
 
     @property
     def name(self) -> str:
@@ -186,7 +188,8 @@ class LeasedLock(AsyncWithOnly):
         holding = self._install(task, grant.token, grant.fence)
         holding.lease = self._new_lease(grant, holding)
         context.keeper.hold(holding.lease)
-        self._cap(context, holding, grant.granted_at)
+        if self._max_hold is not None:
+            self._cap(context, holding, grant.granted_at)
 
     def _stop_renewal(self, context: ClientContext, holding: Holding) -> None:
         """Take `holding`'s lease(s) out of the keeper (released, detached or capped)."""
@@ -201,18 +204,18 @@ class LeasedLock(AsyncWithOnly):
         """`holding`'s release, as its lease's owner is asked for one (the loop's end)."""
         return await self._release_call(context_for(self._client), holding.token)
 
-    async def _release_surely(
+    def _release_surely(
         self, context: ClientContext, holding: Holding
-    ) -> bool | _release.Unanswered | None:
+    ) -> Awaitable[bool | _release.Unanswered | None]:
         """`_release_call` for `holding`, completed even if the caller is cancelled
         meanwhile; its lease is renewed until the release is answered, which is waited for
         while the lease is known valid (`Unanswered` past it, the release going on in the
-        background)."""
+        background). (Not a coroutine: one level less in every release.)"""
         if holding.lease is None:
             self._stop_renewal(context, holding)
-            return await _release.release_surely(context, self._spec, holding.token, self._ttl_ms)
+            return _release.release_surely(context, self._spec, holding.token, self._ttl_ms)
         lease = holding.lease
-        return await _release.release_until(
+        return _release.release_until(
             context, self._spec, holding.token, self._ttl_ms, lease.valid_until, lease=lease
         )
 
@@ -331,8 +334,11 @@ class LeasedLock(AsyncWithOnly):
             return await _telemetry.observe(self, blocking, timeout, self._counted_acquire)
         return await self._counted_acquire(blocking, timeout)
 
-    async def _counted_acquire(self, blocking: bool, timeout: float | None) -> bool:
-        """`acquire`, its outcome counted for `statistics()`."""
+    async def _counted_acquire(
+        self, blocking: bool, timeout: float | None, task: asyncio.Task[Any] | None = None
+    ) -> bool:
+        """`acquire`, its outcome counted for `statistics()` (`task`: the current one, if
+        the caller has it already)."""
         if timeout is not None:  # (None, the common case, needs no check)
             timeout = validate_timeout(timeout)
         if not blocking and timeout is not None:
@@ -340,7 +346,8 @@ class LeasedLock(AsyncWithOnly):
         if timeout == 0:
             # A zero deadline would end the call before its one try reached Redis.
             blocking, timeout = False, None
-        task = current_task()
+        if task is None:
+            task = current_task()
         held = self._holdings.get(task)
         reason = "the current task already holds it (not reentrant)"
         if held is None:
@@ -352,15 +359,24 @@ class LeasedLock(AsyncWithOnly):
         deadline = None if timeout is None else _clock.monotonic() + timeout
         self._waiting += 1
         try:
-            if self._local_handoff:
-                acquired = await self._local_acquisition(context, task, blocking, deadline)
-                if not acquired and _last_miss.get() is None:  # (no call to Redis told why)
-                    _last_miss.set(_LOCAL_MISS)
-            else:
+            if not self._local_handoff:
                 grant = await self._acquire_grant(context, 0, blocking, deadline)
                 acquired = grant is not None
                 if grant is not None:
                     self._hold(context, task, grant)
+            elif (cohort := self._cohort_for(cohorts := cohorts_of(context), task)) is not None:
+                acquired = await cohort.acquire(self, task, blocking, deadline)
+            else:  # alone: through Redis, as a cohort's contender would (`_cohort_for`)
+                grant = None
+                try:
+                    grant = await self._acquire_grant(
+                        context, self._local_handoff, blocking, deadline
+                    )
+                finally:
+                    self._acquired_alone(cohorts, context, task, grant)
+                acquired = grant is not None
+            if not acquired and self._local_handoff and _last_miss.get() is None:
+                _last_miss.set(_LOCAL_MISS)  # (no call to Redis told why)
         finally:
             self._waiting -= 1
         if acquired:
@@ -369,61 +385,51 @@ class LeasedLock(AsyncWithOnly):
             self._spec.counters.timeouts += 1
         return acquired
 
-    def _local_acquisition(
-        self,
-        context: ClientContext,
-        task: asyncio.Task[Any],
-        blocking: bool,
-        deadline: float | None,
-    ) -> Awaitable[bool]:
-        """`acquire` with `local_handoff`: alone while no other task of this process wants the
-        lock (no `Cohort`; a `_Solo` entry stands for the task), else through the cohort, made
-        by the first task that finds one acquiring or holding alone."""
-        cohorts = cohorts_of(context)
-        key = (self._spec.channel, self._ttl_ms, self._local_handoff)
+    def _cohort_for(
+        self, cohorts: dict[_Key, Cohort | _Solo], task: asyncio.Task[Any]
+    ) -> Cohort | None:
+        """With `local_handoff`: the cohort `task` acquires through, or None when no other
+        task of this process wants the lock, a `_Solo` entry then standing for `task` (no
+        `Cohort` is made: the task acquires alone, through Redis, with a cohort's token, its
+        fence block reserved). The first task that finds one acquiring or holding alone
+        makes the cohort, which takes it over."""
+        key = self._cohort_key
         found = cohorts.get(key)
         if found is None:
-            return self._acquire_alone(context, task, blocking, deadline, cohorts, key)
+            cohorts[key] = (self, task, 0.0)
+            return None
         if isinstance(found, Cohort):
-            return found.acquire(self, task, blocking, deadline)
+            return found
+        context = context_for(self._client)
         cohort = cohorts[key] = Cohort(context, self._spec, self._ttl_ms, self._local_handoff)
         cohort.take_over(found)
-        return cohort.acquire(self, task, blocking, deadline)
+        return cohort
 
-    async def _acquire_alone(
+    def _acquired_alone(
         self,
+        cohorts: dict[_Key, Cohort | _Solo],
         context: ClientContext,
         task: asyncio.Task[Any],
-        blocking: bool,
-        deadline: float | None,
-        cohorts: dict[_Key, Cohort | _Solo],
-        key: _Key,
-    ) -> bool:
-        """`_local_acquisition` with no other task of this process wanting the lock: through
-        Redis, as the cohort's contender would, with a cohort's token (its fence block
-        reserved); a cohort made meanwhile takes the outcome over (`Cohort.take_over`)."""
-        solo: _Solo = (self, task, 0.0)
-        cohorts[key] = solo
-        grant = None
-        try:
-            grant = await self._acquire_grant(context, self._local_handoff, blocking, deadline)
-        finally:
-            found = cohorts.get(key)
-            if found is solo:
-                if grant is None:
-                    del cohorts[key]
-                else:
-                    self._hold(context, task, grant)
-                    cohorts[key] = (self, task, _clock.monotonic())
-            elif isinstance(found, Cohort):
-                found.contended(self, task, grant)
-        return grant is not None
+        grant: _spec.Grant | None,
+    ) -> None:
+        """The acquisition `task` began alone (`_cohort_for`) ended: it holds the lock alone
+        now, or leaves; a cohort made meanwhile takes the outcome over."""
+        key = self._cohort_key
+        found = cohorts.get(key)
+        if isinstance(found, Cohort):
+            found.contended(self, task, grant)
+        elif found is not None and found[0] is self and found[1] is task:
+            if grant is None:
+                del cohorts[key]
+            else:
+                self._hold(context, task, grant)
+                cohorts[key] = (self, task, _clock.monotonic())
 
     def _leave_alone(self, context: ClientContext, holding: Holding) -> Cohort | None:
         """The cohort of `holding` (a local hand-off one), which leaves this process
         (released or detached); None if it was held alone, which it no longer is."""
         cohorts = cohorts_of(context)
-        key = (self._spec.channel, self._ttl_ms, self._local_handoff)
+        key = self._cohort_key
         found = cohorts.get(key)
         if isinstance(found, Cohort):
             return found
@@ -530,7 +536,8 @@ class LeasedLock(AsyncWithOnly):
         finished is adopted), and `LockLost` if the lease had been lost meanwhile.
         """
         holding = self._take_holding()
-        self._uncap(holding)
+        if holding.cap is not None:
+            self._uncap(holding)
         if _telemetry.recorder is not None:
             _telemetry.on_release(self._spec, holding.token)
         in_cohort = self._local_handoff and is_cohort_token(holding.token)
@@ -550,6 +557,8 @@ class LeasedLock(AsyncWithOnly):
             raise self._lost_error(holding)
         context = context_for(self._client)
         cohort = self._leave_alone(context, holding) if in_cohort else None
+        if cohort is not None and cohort.pass_on(self, holding):
+            return  # handed to the next local task: no call to Redis
         with map_redis_errors(self._name):
             # Waited for no longer than the lease is known valid: past that, whether it
             # was released or lost cannot be told, and the report must not wait.
@@ -715,18 +724,23 @@ class LeasedLock(AsyncWithOnly):
 
     async def __aenter__(self) -> Self:
         _last_miss.set(None)
-        if not await self.acquire(timeout=self._timeout):
+        task = current_task()
+        if _telemetry.recorder is not None:
+            acquired = await self.acquire(timeout=self._timeout)
+        else:  # (`acquire` without its telemetry: one coroutine less per acquisition)
+            acquired = await self._counted_acquire(True, self._timeout, task)
+        if not acquired:
             assert self._timeout is not None
             miss = _last_miss.get()
             raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
-        self._enter_body()
+        self._enter_body(task)
         return self
 
-    def _enter_body(self) -> None:
+    def _enter_body(self, task: asyncio.Task[Any] | None = None) -> None:
         """The current task's holding enters its `async with` body: a loss cancels the body,
         and `__aexit__` takes that cancellation back (the web integrations call it after
         their own `acquire()`, a refusal costing no `LockTimeout`)."""
-        holding = self._holdings[current_task()]
+        holding = self._holdings[current_task() if task is None else task]
         holding.body = True
         if holding.is_lost:  # lost before the body even started
             holding.cancel_body()
@@ -737,7 +751,7 @@ class LeasedLock(AsyncWithOnly):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if current_task() not in self._holdings:
+        if asyncio.current_task() not in self._holdings:
             return  # released inside the body already
         try:  # (the release takes back a cancellation that a loss made: `end_body`)
             await self.release()
@@ -886,36 +900,31 @@ class Cohort:
         """Acquire for `task`: through Redis if the cohort is idle, else after the local
         tasks ahead of it (or as the next contender, if the lease leaves the process)."""
         try:
-            return await self._acquire(lock, task, blocking, deadline)
+            if self.idle:
+                return await self._contend(lock, task, blocking, deadline)
+            if not blocking:
+                return False  # busy here: held by, or being acquired for, another local task
+            waiter = _LocalWaiter(lock, task)
+            self._queue.append(waiter)
+            if not self._listening:
+                self._listen()
+            try:
+                if deadline is None:  # cancelling the task cancels its turn with it
+                    await waiter.future
+                else:
+                    timeout = max(0.0, deadline - _clock.monotonic())
+                    await asyncio.wait((waiter.future,), timeout=timeout)
+            except BaseException:
+                await self._abandon(waiter)
+                raise
+            if not waiter.future.done():
+                await self._abandon(waiter)
+                return False
+            if waiter.future.result() is _Turn.HOLD:
+                return True
+            return await self._contend(lock, task, True, deadline)
         finally:
             self._retire_if_idle()
-
-    async def _acquire(
-        self, lock: LeasedLock, task: asyncio.Task[Any], blocking: bool, deadline: float | None
-    ) -> bool:
-        if self.idle:
-            return await self._contend(lock, task, blocking, deadline)
-        if not blocking:
-            return False  # busy here: held by, or being acquired for, another local task
-        waiter = _LocalWaiter(lock, task)
-        self._queue.append(waiter)
-        if not self._listening:
-            self._listen()
-        try:
-            if deadline is None:  # cancelling the task cancels its turn with it
-                await waiter.future
-            else:
-                timeout = max(0.0, deadline - _clock.monotonic())
-                await asyncio.wait((waiter.future,), timeout=timeout)
-        except BaseException:
-            await self._abandon(waiter)
-            raise
-        if not waiter.future.done():
-            await self._abandon(waiter)
-            return False
-        if waiter.future.result() is _Turn.HOLD:
-            return True
-        return await self._contend(lock, task, True, deadline)
 
     async def _abandon(self, waiter: _LocalWaiter) -> None:
         """A waiting task gives up (timeout, cancellation): whatever it was handed meanwhile
@@ -1046,6 +1055,8 @@ class Cohort:
         `_release.release`); UNANSWERED when Redis did not answer by `until` (by default
         the lease's validity; the call then goes on in the background)."""
         try:
+            if self.pass_on(lock, holding):
+                return True
             if self._holder is not None and self._holder[1] is holding:
                 self._holder = None
             lease = self._lease
@@ -1054,19 +1065,29 @@ class Cohort:
                 return await _release.release(
                     self._context, self._spec, holding.token, self._ttl_ms
                 )
-            # A lease whose validity ended unrenewed (a stalled loop) is not passed on
-            # locally (the server may have ended it): its release tells the holder.
-            valid = lease.remaining > 0
-            waiter = self._next_waiter()
-            if waiter is not None and valid and self._may_pass():
-                self._pass(waiter, lock._spec)
-                return True
+            waiter = self._next_waiter()  # (those who gave up are skipped)
             if waiter is not None:
                 self._queue.appendleft(waiter)
-            keep = waiter is not None and valid
+            keep = waiter is not None and lease.remaining > 0
             return await self._give_back(lease, lock._spec, until, keep)
         finally:
             self._retire_if_idle()
+
+    def pass_on(self, lock: LeasedLock, holding: Holding) -> bool:
+        """Hand `holding` (already taken from `lock`) to the next local task, without a
+        round trip, if one waits and one more pass is allowed (`_may_pass`): True if it
+        was. A lease whose validity ended unrenewed (a stalled loop) is not passed on (the
+        server may have ended it): its release tells the holder."""
+        lease = self._lease
+        if holding.token != self.token or lease is None or not self._queue:
+            return False
+        if lease.remaining <= 0 or not self._may_pass():
+            return False
+        waiter = self._next_waiter()
+        if waiter is None:  # (all of them gave up)
+            return False
+        self._pass(waiter, lock._spec)
+        return True
 
     def _may_pass(self) -> bool:
         """Whether one more local pass is allowed: by count (`local_handoff`); while nobody
@@ -1160,9 +1181,10 @@ class Cohort:
             watched = self._watching()
             sent_at = _clock.monotonic()
             written: list[float] = []
-            reply, unsure = await _release.release_reply(
+            raw, unsure = await _release.release_reply(
                 context, spec, token, self._ttl_ms, "keep", sent=written.append
             )
+            reply = _release.ReleaseReply.decode(raw)
             sent_at = written[0] if written else sent_at
             status = reply.status
             if status is _release.Released.KEPT:

@@ -130,7 +130,8 @@ async def release(context: ClientContext, spec: Spec, token: str, ttl_ms: int) -
     """
     sent_at = _clock.monotonic()
     written: list[float] = []  # when the call went out (behind a burst: later)
-    reply, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
+    raw, unsure = await release_reply(context, spec, token, ttl_ms, sent=written.append)
+    reply = ReleaseReply.decode(raw)
     if reply.grants:
         wake_granted(context, spec, reply.grants, written[0] if written else sent_at)
         handed_off(spec, len(reply.grants))
@@ -158,23 +159,23 @@ def handed_off(spec: Spec, count: int, *, local: bool = False) -> None:
 #   server has forgotten the token by itself.
 
 
-async def release_reply(
+def release_reply(
     context: ClientContext,
     spec: Spec,
     token: str,
     ttl_ms: int,
     *extra: Any,
     sent: Callable[[float], None] | None = None,
-) -> tuple[ReleaseReply, bool]:
+) -> Awaitable[tuple[Any, bool]]:
     """Run the release script for `token` (with `extra` arguments after the spec's), once, or
-    once more after a connection error; returns its reply, and whether a first call was cut
-    off (it may have done the work, and the reply is then the retry's). `sent`: as for
-    `ClientContext.run`.
+    once more after a connection error; returns its reply (for `ReleaseReply.decode`), and
+    whether a first call was cut off (it may have done the work, and the reply is then the
+    retry's). `sent`: as for `ClientContext.run`. (Not a coroutine: one level less in
+    every release.)
     """
     member = context.waitqueue.member(token, ttl_ms, spec.side)
     args = (member, spec.channel, *spec.args, *extra)
-    reply, unsure = await _granting(context, spec, spec.release, args, True, sent)
-    return ReleaseReply.decode(reply), unsure
+    return _granting(context, spec, spec.release, args, True, sent)
 
 
 async def granting(
@@ -423,7 +424,8 @@ async def release_until(
     bound: _ValidityBound | None = None
     try:
         # Behind a burst of releases, in arrival order, the lease renewed meanwhile.
-        await context.releases.enter()
+        if (place := context.releases.enter()) is not None:
+            await place
         once = first or call
         calling = release(context, spec, token, ttl_ms) if once is None else once()
         async with asyncio.timeout(None) as scope:

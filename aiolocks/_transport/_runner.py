@@ -158,6 +158,7 @@ class ScriptRunner:
         if not is_cluster(client) or not _adapter.needs_initialise(client):
             self._initialised = asyncio.get_running_loop().create_future()
             self._initialised.set_result(None)
+        self._initialised_ok = self._initialised is not None  # (it stays so once it is)
         self._sent = 0  # commands sent besides the auto-pipeline's
         # Its client was closed by its user (`refuse_calls`): no call is made any more.
         self.closed_by_user = False
@@ -186,7 +187,8 @@ class ScriptRunner:
         With auto-pipelining (the default, not on Cluster), the call joins the others made
         in the same loop iteration, in one pipeline on the runner's one connection.
         """
-        await self._ready()
+        if (initialising := self._ready()) is not None:
+            await initialising
         before = pending_cancels()
         if self.autopipe is not None:
             reply = await self.autopipe.call(script, keys, args, retry, sent)
@@ -248,7 +250,8 @@ class ScriptRunner:
     ) -> tuple[Any, int]:
         """Run `script`, then `WAIT replicas timeout_ms`, on one connection (WAIT covers the
         writes of its own connection only): (the script's reply, replicas that acked)."""
-        await self._ready()
+        if (initialising := self._ready()) is not None:
+            await initialising
         for by_source in (False, True):
             async with self._slots:
                 pipe = self.engine.pipeline(transaction=False)
@@ -265,13 +268,15 @@ class ScriptRunner:
 
     async def call(self, *args: Any) -> Any:
         """Send one plain command within the in-flight limit; bulk replies stay bytes."""
-        await self._ready()
+        if (initialising := self._ready()) is not None:
+            await initialising
         async with self._slots:
             return await self._execute(*args, **{_adapter.NEVER_DECODE: True})
 
     async def call_many(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send plain commands in one round trip within the in-flight limit (bytes replies)."""
-        await self._ready()
+        if (initialising := self._ready()) is not None:
+            await initialising
         async with self._slots:
             pipe = self.engine.pipeline(transaction=False)
             for args in commands:
@@ -297,7 +302,8 @@ class ScriptRunner:
         return results
 
     async def _send(self, calls: list[Staged], *, by_source: bool) -> list[Any]:
-        await self._ready()
+        if (initialising := self._ready()) is not None:
+            await initialising
         async with self._slots:
             pipe = self.engine.pipeline(transaction=False)
             for call in calls:
@@ -325,9 +331,16 @@ class ScriptRunner:
         (none opens a connection on the closed client)."""
         self.closed_by_user = True
 
-    async def _ready(self) -> None:
+    def _ready(self) -> Awaitable[None] | None:
+        """None when calls can be made now; else what to await first (a Cluster client's
+        initialisation), or `EngineClosed` raised. (Not a coroutine: every call asks.)"""
         if self.closed_by_user:
             raise EngineClosed(_adapter.describe(self.client))
+        if self._initialised_ok:
+            return None
+        return self._initialising()
+
+    async def _initialising(self) -> None:
         initialised = self._initialised
         if (
             initialised is not None
@@ -335,6 +348,7 @@ class ScriptRunner:
             and not initialised.cancelled()
             and initialised.exception() is None
         ):
+            self._initialised_ok = True
             return
         if initialised is None or initialised.done():  # first use, or the last try failed
             initialised = self._initialised = asyncio.ensure_future(self._initialise())

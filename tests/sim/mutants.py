@@ -191,8 +191,8 @@ MUTANTS = [
     Mutant(
         "cohort-passes-lapsed-lease",
         "aiolocks/_engine/_leasedlock.py",
-        "            valid = lease.remaining > 0",
-        "            valid = lease.valid_until > _clock.monotonic() - 1.0",
+        "        if lease.remaining <= 0 or not self._may_pass():",
+        "        if lease.valid_until <= _clock.monotonic() - 1.0 or not self._may_pass():",
         "a cohort passes on a lease whose validity ended",
     ),
     Mutant(
