@@ -28,6 +28,15 @@ load that comes and goes falls on every mode alike. Each ratio is then taken wit
 spread (min-max) over the rounds; beside requests/s, the CPU the server's processes spent
 per request (its whole process tree, from /proc) and the script calls the Redis server ran
 per request (`INFO commandstats`; the modes take turns, so one mode's calls at a time).
+
+`--calls N`, for what CPU time cannot show on a shared machine: no uvicorn, no wrk; each
+install's interpreter drives this checkout's app in-process (ASGI calls, 64 tasks over 16
+order ids, N requests per mode after a warm-up) under cProfile, and the Python calls per
+request are printed per mode, with `wait`'s extra over `by-hand-depends` (what the
+dependency itself costs beyond FastAPI's own `Depends`) and each install against the
+last one (`--base REV`: this checkout against REV). The refusing modes (`REFUSING`) run
+with every order's lock held elsewhere: each request is refused (409), so their count is
+a refusal's.
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import json
 import os
+import pstats
 import re
 import shutil
 import signal
@@ -44,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "fastapi.json"
 CONNECTIONS = 64
 ORDERS = 16
+REFUSING = ("refuse", "by-hand-refuse", "redis-py")  # the modes answering 409 when held
 WRK_SCRIPT = f"""
 wrk.method = "POST"
 local n = 0
@@ -165,10 +178,8 @@ async def counted(url: str, mode: str) -> int:
     return sum(int(v) for v in values if v is not None)
 
 
-@contextlib.contextmanager
-def serve(install: Install, url: str, workers: int) -> Iterator[tuple[int, int]]:
-    """The app under uvicorn with `workers` workers: (its port, its pid), stopped on exit."""
-    port = free_loopback_port()
+def install_env(install: Install, url: str) -> dict[str, str]:
+    """The environment of a process of `install` (its checkout first on `PYTHONPATH`)."""
     env = {**os.environ, URL_ENV: url}
     env.pop(FLIP_ENV, None)
     if install.flip is not None:
@@ -177,6 +188,14 @@ def serve(install: Install, url: str, workers: int) -> Iterator[tuple[int, int]]
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(install.pythonpath), os.environ.get("PYTHONPATH")])
         )
+    return env
+
+
+@contextlib.contextmanager
+def serve(install: Install, url: str, workers: int) -> Iterator[tuple[int, int]]:
+    """The app under uvicorn with `workers` workers: (its port, its pid), stopped on exit."""
+    port = free_loopback_port()
+    env = install_env(install, url)
     process = subprocess.Popen(
         [
             install.python, "-m", "uvicorn", "_fastapi_app:app", "--app-dir", str(install.app_dir),
@@ -252,8 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="N > 1: one server per install serves every mode, the modes alternating in N "
         "rounds of --seconds each; ratios per round, their median and spread, CPU/request",
     )  # fmt: skip
+    parser.add_argument(
+        "--calls", type=int, metavar="N",
+        help="instead: Python calls per request (cProfile), the app driven in-process, N "
+        "requests per mode",
+    )  # fmt: skip
+    parser.add_argument("--calls-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if shutil.which("wrk") is None:
+    if args.calls_child:  # (one install's run of `--calls`, in its interpreter)
+        asyncio.run(drive_in_process(args.url, args.modes, args.calls))
+        return 0
+    if args.calls is None and shutil.which("wrk") is None:
         parser.error(
             "wrk is not installed: `apt-get install wrk` (Debian, Ubuntu), `brew install wrk` "
             "(macOS), or build it from https://github.com/wg/wrk"
@@ -269,6 +297,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.flip:
             pythons[f"flip:{name}"] = Install(sys.executable, flip=name)
         url, source = stack.enter_context(bench_server(args.url))
+        if args.calls is not None:
+            calls = {
+                label: in_process(install, url, args.modes, args.calls)
+                for label, install in pythons.items()
+            }
+            summarize_calls(calls)
+            write_json(
+                args.json,
+                {
+                    "machine": machine(),
+                    "server": source,
+                    "calls_per_request": calls,
+                    "pythons": {label: str(install) for label, install in pythons.items()},
+                },
+            )
+            return 0
         script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "orders.lua"
         script.write_text(WRK_SCRIPT)
         if args.rounds > 1:
@@ -439,6 +483,116 @@ def summarize(pythons: dict[str, Install], results: dict[str, dict[str, Any]]) -
         }
         said = ", ".join(f"{run} {n}" for run, n in overlapping.items()) or "0 in every mode"
         print(f"overlaps, {label}: {said}")
+
+
+def in_process(install: Install, url: str, modes: Sequence[str], n: int) -> dict[str, Any]:
+    """`--calls`: one run of `drive_in_process` in `install`'s interpreter; its rows."""
+    command = [
+        install.python, str(HERE / "bench_fastapi.py"), "--calls-child", "--url", url,
+        "--calls", str(n), "--modes", *modes,
+    ]  # fmt: skip
+    out = subprocess.run(
+        command, env=install_env(install, url), cwd=HERE, check=True, capture_output=True, text=True
+    ).stdout
+    return {row["mode"]: row for row in map(json.loads, out.splitlines())}
+
+
+async def drive_in_process(url: str, modes: Sequence[str], n: int) -> None:
+    """The app's modes driven through ASGI calls in this process, each `n` requests (64
+    tasks over `ORDERS` order ids) under cProfile after a warm-up: a JSON row per mode."""
+    from _fastapi_app import app
+
+    state: dict[str, Any] = {}
+    startup: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    replies: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
+    await startup.put({"type": "lifespan.startup"})
+    lifespan_scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": state}
+    lifespan = asyncio.create_task(app(lifespan_scope, startup.get, replies.put))
+    assert (await replies.get())["type"] == "lifespan.startup.complete"
+
+    async def post(path: str) -> int:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"host", b"bench"), (b"content-length", b"0")], "root_path": "",
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": dict(state),
+        }  # fmt: skip
+        body = [{"type": "http.request", "body": b"", "more_body": False}]
+        sent: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            if body:
+                return body.pop()
+            await asyncio.get_running_loop().create_future()  # (no disconnect: never)
+            raise AssertionError("unreachable")
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+
+        await app(scope, receive, send)
+        return sent[0]
+
+    async def client(mode: str, index: int, count: int, statuses: dict[int, int]) -> None:
+        for k in range(count):
+            status = await post(f"/{mode}/{(index + k) % ORDERS}")
+            statuses[status] = statuses.get(status, 0) + 1
+
+    per_task = max(1, n // CONNECTIONS)
+    other = redis.asyncio.Redis.from_url(url)
+    for mode in modes:
+        statuses: dict[int, int] = {}
+        busy: list[Any] = []  # a refusing mode's locks, all held elsewhere: every answer a 409
+        if mode in REFUSING:
+            from aiolocks import RedisMutex
+
+            for order in range(ORDERS):
+                name = f"bench:{mode}:{order}"
+                held = other.lock(name) if mode == "redis-py" else RedisMutex(other, name)
+                await held.acquire()
+                busy.append(held)
+        await asyncio.gather(*(client(mode, i, 20, {}) for i in range(CONNECTIONS)))  # warm-up
+        profile = cProfile.Profile()
+        cpu = time.process_time()
+        profile.enable()
+        await asyncio.gather(*(client(mode, i, per_task, statuses) for i in range(CONNECTIONS)))
+        profile.disable()
+        cpu = time.process_time() - cpu
+        requests = per_task * CONNECTIONS
+        calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+        row = {
+            "mode": mode,
+            "calls": calls / requests,
+            "cpu_us": cpu / requests * 1e6,  # (profiled: for the record only)
+            "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        }
+        print(json.dumps(row), flush=True)
+        for held in busy:
+            await held.release()
+    await other.aclose()
+    await startup.put({"type": "lifespan.shutdown"})
+    await replies.get()
+    await lifespan
+
+
+def summarize_calls(calls: dict[str, dict[str, Any]]) -> None:
+    """`--calls`: per mode and install, Python calls per request, the extra over
+    `by-hand-depends`, and the ratio to the last install (`--base`'s)."""
+    labels = list(calls)
+    reference = labels[-1]
+    print()
+    for mode in next(iter(calls.values())):
+        cells = []
+        for label in labels:
+            row = calls[label][mode]
+            cell = f"{label} {row['calls']:7.1f}"
+            floor = calls[label].get("by-hand-depends")
+            if floor is not None and mode == "wait":
+                cell += f" (+{row['calls'] - floor['calls']:.1f})"
+            if label != reference:
+                cell += f" {row['calls'] / calls[reference][mode]['calls']:.3f}x"
+            cells.append(f"{cell} {row['statuses']}")
+        print(f"{mode:<16} calls/req: " + "; ".join(cells))
 
 
 if __name__ == "__main__":

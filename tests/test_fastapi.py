@@ -150,6 +150,65 @@ async def test_a_lost_lease_cancels_the_handler_and_answers_500(
 
 
 @ONE_SERVER
+@pytest.mark.parametrize("asked_before", [True, False])
+async def test_held_lock_lost_is_one_event_set_at_a_loss(
+    r: redis.asyncio.Redis, tasks: Tasks, asked_before: bool
+) -> None:
+    """`HeldLock.lost` is made when first asked for (most requests never ask): asked for
+    while the request runs, or only after the loss, it is set, and the same event each
+    time."""
+    app = FastAPI()
+    lock = request_lock("orders:{order_id}", client=r, ttl=0.3)
+    entered = asyncio.Event()
+    seen: list[tuple[HeldLock, asyncio.Event | None]] = []
+
+    @app.post("/orders/{order_id}")
+    async def charge(order_id: int, held: Annotated[HeldLock, Depends(lock)]) -> None:
+        event = held.lost if asked_before else None
+        assert event is None or not event.is_set()
+        seen.append((held, event))
+        entered.set()
+        await asyncio.Event().wait()  # until the loss cancels it
+
+    async with http(app) as client:
+        request = tasks.start(client.post("/orders/6"))
+        await asyncio.wait_for(entered.wait(), 10)
+        assert await expire_leases(RedisMutex(r, "orders:6")) == 1
+        response = await asyncio.wait_for(request, 10)  # renewal notices within ttl/3
+    assert response.status_code == 500
+    [(held, event)] = seen
+    assert held.lost.is_set() and held.lost is held.lost
+    assert event is None or event is held.lost
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("name", ["", "a}b", "x" * 1025])
+@pytest.mark.parametrize("limit", [None, 2])
+async def test_a_name_the_lock_rejects_answers_422_and_touches_nothing(
+    r: redis.asyncio.Redis, name: str, limit: int | None
+) -> None:
+    """A name from a name dependency is checked once, by the lock made for it: what the
+    lock refuses is the API client's 422 `lock_name_invalid`, and Redis is not written."""
+    app = FastAPI()
+
+    def chosen() -> str:
+        return name
+
+    @app.post("/work")
+    async def work(held: Annotated[HeldLock, Depends(request_lock(chosen, limit=limit))]) -> None:
+        raise AssertionError("not reached")
+
+    app.state.redis = r
+    async with http(app) as client:
+        response = await client.post("/work")
+    assert response.status_code == 422
+    detail = response.json()["detail"]
+    assert detail["error"] == "lock_name_invalid" and detail["lock"] == name
+    assert "name" in detail["message"]
+    assert await r.dbsize() == 0
+
+
+@ONE_SERVER
 async def test_cancelled_requests_leave_nothing_behind(
     r: redis.asyncio.Redis, tasks: Tasks
 ) -> None:

@@ -292,3 +292,29 @@ async def test_fastapi_reuses_one_limiter_per_name_and_still_limits(
         assert adopting["id"] == eight["id"] and adopting["rate"] == 100 and adopting["adopted"]
         after = (await c.get("/users/8")).json()
         assert after["id"] != eight["id"] and after["rate"] == 100  # a new one, adopting anew
+
+
+@ONE_SERVER
+@pytest.mark.parametrize("name", ["", "a}b", "x" * 1025])
+async def test_fastapi_a_name_the_limiter_rejects_answers_422_and_touches_nothing(
+    r: redis.asyncio.Redis, name: str
+) -> None:
+    """The name is checked once, by the limiter made for it: what it refuses is the API
+    client's 422 `lock_name_invalid`, and Redis is not written."""
+    app = FastAPI()
+
+    def chosen() -> str:
+        return name
+
+    limit = request_limit(chosen, rate=5, client=r)
+
+    @app.post("/work")
+    async def work(permit: Annotated[Permit, Depends(limit)]) -> None:
+        raise AssertionError("not reached")
+
+    async with fastapi_client(app) as client:
+        response = await client.post("/work")
+    assert response.status_code == 422
+    detail = response.json()["detail"]
+    assert detail["error"] == "lock_name_invalid" and detail["lock"] == name
+    assert await r.dbsize() == 0

@@ -9,22 +9,25 @@ its own response type.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import string
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypedDict
 
-from .._base._clients import AnyRedis, ensure_async_client
+from .._base._clients import AnyRedis
 from .._base._errors import AccessDenied, LockError, LockLost, LockTimeout, ServerUnavailable
 from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
 from .._engine._settings import DEFAULT_TTL, validate_int, validate_timeout, validate_ttl
+from .._leases import _keeper
 from ..mutex import RedisMutex
 from ..semaphore import MAX_LIMIT, RedisSemaphore
 
 __all__ = [
+    "Answer",
     "HeldLock",
     "Holding",
     "LockOptions",
@@ -32,6 +35,7 @@ __all__ = [
     "NameTemplate",
     "Refusal",
     "TemplateMismatch",
+    "as_raised",
     "refusal_for",
     "retry_after",
     "status_code",
@@ -46,8 +50,14 @@ class HeldLock:
 
     name: str
     fencing_token: int
-    lost: asyncio.Event  # set if the lease is lost while the request runs
     lock: RedisMutex | RedisSemaphore
+    _holding: _keeper.Holding = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set if the lease is lost while the request runs (the same event at each access,
+        made when first asked for: most requests never ask)."""
+        return self._holding.lost
 
 
 class Refusal(Exception):
@@ -65,6 +75,15 @@ class Refusal(Exception):
         self.status = status
         self.body: dict[str, str] = {"error": error, "lock": name, "message": message}
         self.headers = headers
+
+
+# What a refusal is raised as: the framework's own exception (FastAPI's HTTPException), or
+# the `Refusal` itself (`as_raised`) for a caller that answers it (aiohttp's).
+Answer = Callable[[Refusal], Exception]
+
+
+def as_raised(refusal: Refusal) -> Exception:
+    return refusal
 
 
 def retry_after(wait: float) -> dict[str, str]:
@@ -191,47 +210,51 @@ class LockPolicy:
         status_code(self.busy_status, "busy_status", 400)
         status_code(self.lost_status, "lost_status", 500)  # the work may have overlapped: 5xx
 
-    def make(self, client: AnyRedis, name: str) -> RedisMutex | RedisSemaphore:
-        if self.limit is None:
-            return RedisMutex(client, name, ttl=self.ttl, prefix=self.prefix)
-        return RedisSemaphore(client, name, limit=self.limit, ttl=self.ttl, prefix=self.prefix)
-
-    def hold(self, client: object, name: str, request: object) -> Holding:
-        """Hold the lock `name` around the body (`async with`); raise `Refusal` if it
-        cannot be had, or if its lease was lost (the body is cancelled at the loss, as the
-        lock's own `async with` does). (`request`: unused, a rate limit's per-request
+    def hold(
+        self, client: AnyRedis, name: str, request: object, answer: Answer = as_raised
+    ) -> Holding:
+        """Hold the lock `name` around the body (`async with`); raise `answer(Refusal)` if
+        it cannot be had, or if its lease was lost (the body is cancelled at the loss, as
+        the lock's own `async with` does). (`request`: unused, a rate limit's per-request
         limits read it.)"""
-        return Holding(self, client, name)
+        return Holding(self, client, name, answer)
 
 
 class Holding:
     """One request's holding: the lock's own `async with` (its body cancelled at a loss,
-    `LockLost` at its exit), what it cannot have turned into a `Refusal`. A class, not a
-    generator: one is made per request."""
+    `LockLost` at its exit), what it cannot have raised as `answer(Refusal)` (the
+    framework's own exception, or the `Refusal`). A class, not a generator: one is made
+    per request."""
 
-    __slots__ = ("client", "lock", "name", "policy")
+    __slots__ = ("answer", "client", "lock", "name", "policy")
 
-    def __init__(self, policy: LockPolicy, client: object, name: str) -> None:
+    def __init__(self, policy: LockPolicy, client: AnyRedis, name: str, answer: Answer) -> None:
         self.policy = policy
         self.client = client
         self.name = name
+        self.answer = answer
         self.lock: RedisMutex | RedisSemaphore | None = None
 
     async def __aenter__(self) -> HeldLock:
         policy, name = self.policy, self.name
-        client = ensure_async_client(self.client)
-        try:
-            validate_name(name, "lock name")
-        except ValueError as exc:
-            raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
-        self.lock = lock = policy.make(client, name)
+        lock: RedisMutex | RedisSemaphore
+        try:  # (the client and the name are checked there, once)
+            if policy.limit is None:
+                lock = RedisMutex(self.client, name, ttl=policy.ttl, prefix=policy.prefix)
+            else:
+                lock = RedisSemaphore(
+                    self.client, name, limit=policy.limit, ttl=policy.ttl, prefix=policy.prefix
+                )
+        except ValueError as exc:  # the policy's settings were checked when it was made
+            raise self.answer(Refusal(422, "lock_name_invalid", name, str(exc))) from None
+        self.lock = lock
         try:
             if policy.timeout == 0:  # one try, no subscription
                 acquired = await lock.acquire(blocking=False)
             else:
                 acquired = await lock.acquire(timeout=policy.timeout)
         except (ServerUnavailable, AccessDenied) as exc:
-            raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
+            raise self.answer(Refusal(503, "lock_unavailable", name, exc.reason)) from exc
         if not acquired:
             waited = "" if policy.timeout == 0 else f" within {policy.timeout:g} s"
             # Who holds it is not known here (another request, a worker, a script): say
@@ -241,11 +264,11 @@ class Holding:
             else:
                 busy = f"{name!r} has all {policy.limit} of its slots held"
             message = f"{busy}; not acquired{waited}"
-            raise Refusal(policy.busy_status, "lock_busy", name, message)
+            raise self.answer(Refusal(policy.busy_status, "lock_busy", name, message))
         lock._enter_body()  # as the lock's own `async with`: a loss cancels the body
-        token = lock.fencing_token
-        assert token is not None
-        return HeldLock(lock.name, token, lock.lost, lock)
+        holding = lock._current()  # (its fence, and its `lost` event when asked for)
+        assert holding is not None
+        return HeldLock(name, holding.fence, lock, holding)
 
     async def __aexit__(
         self,
@@ -269,11 +292,11 @@ class Holding:
                 "its work may have overlapped another holder's"
             )
             refusal = Refusal(self.policy.lost_status, "lock_lost", lock.name, message)
-            raise refusal from (raised or lost)
+            raise self.answer(refusal) from (raised or lost)
         except (ServerUnavailable, AccessDenied) as exc:
             if _cancelled_from_outside():
                 return
-            raise Refusal(503, "lock_unavailable", lock.name, exc.reason) from exc
+            raise self.answer(Refusal(503, "lock_unavailable", lock.name, exc.reason)) from exc
 
 
 def _cancelled_from_outside() -> bool:

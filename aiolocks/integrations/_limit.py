@@ -1,4 +1,4 @@
-"""What the web integrations share for rate limits: the policy, and one `hold()`.
+"""What the web integrations share for rate limits: the policy, and one `take()`.
 
 A request takes its permits before the handler runs (waiting for them up to `timeout`);
 when it cannot, it is refused with 429, a `Retry-After` header (seconds until the slot it
@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import AccessDenied, LimitMismatch, ServerUnavailable
-from .._base._keys import DEFAULT_PREFIX, validate_name, validate_prefix
+from .._base._keys import DEFAULT_PREFIX, validate_prefix
 from .._engine._settings import validate_timeout
 from ..ratelimit import MAX_BURST, Limit, RedisRateLimiter, validate_cost, validate_limits
-from ._hold import Refusal, retry_after, status_code
+from ._hold import Answer, Refusal, as_raised, retry_after, status_code
 
 __all__ = ["KEPT_LIMITERS", "LimitOptions", "LimitPolicy", "Limits", "LimitsFunction", "Permit"]
 
@@ -97,29 +96,34 @@ class LimitPolicy:
         validate_prefix(self.prefix)
         status_code(self.busy_status, "busy_status", 400)
 
-    @asynccontextmanager
-    async def hold(self, client: object, name: str, request: object) -> AsyncIterator[Permit]:
-        """Take the permits of `name` (waiting up to `timeout`), then run the body; raise
-        `Refusal` if they cannot be had in time."""
+    async def take(
+        self, client: AnyRedis, name: str, request: object, answer: Answer = as_raised
+    ) -> Permit:
+        """Take the permits of `name` (waiting up to `timeout`); raise `answer(Refusal)` if
+        they cannot be had in time. (Nothing to release after the request: no `hold()`.)"""
         client = ensure_async_client(client)
         limits = self.limits
         if callable(limits):
             limits = await _limits_of(limits, request, self.cost)
-        limiter = self._limiter(client, name, None if limits is None else tuple(limits))
+        try:  # (the name is checked there, once)
+            limiter = self._limiter(client, name, None if limits is None else tuple(limits))
+        except ValueError as exc:  # the limits were checked: a ValueError is the name's
+            raise answer(Refusal(422, "lock_name_invalid", name, str(exc))) from None
         try:
             wait = await limiter._acquire(True, self.timeout, self.cost)
         except (ServerUnavailable, AccessDenied) as exc:
-            raise Refusal(503, "lock_unavailable", name, exc.reason) from exc
+            raise answer(Refusal(503, "lock_unavailable", name, exc.reason)) from exc
         except LimitMismatch as exc:
-            raise Refusal(500, "limit_mismatch", name, str(exc)) from exc
+            raise answer(Refusal(500, "limit_mismatch", name, str(exc))) from exc
         if wait is not None:
             waited = "" if self.timeout == 0 else f" within {self.timeout:g} s"
             allows = " and ".join(
                 f"{limit.rate:g} requests per {limit.per:g} s" for limit in limiter.limits
             )
             message = f"{name!r} allows {allows}; no slot free{waited}: the next is in {wait:.3f} s"
-            raise Refusal(self.busy_status, "rate_limited", name, message, retry_after(wait))
-        yield Permit(name, self.cost, limiter)
+            refusal = Refusal(self.busy_status, "rate_limited", name, message, retry_after(wait))
+            raise answer(refusal)
+        return Permit(name, self.cost, limiter)
 
     def _limiter(
         self, client: AnyRedis, name: str, limits: tuple[Limit, ...] | None
@@ -132,10 +136,6 @@ class LimitPolicy:
         key = (name, limits)
         limiter = kept.pop(key, None)  # (put back last: the most recently used)
         if limiter is None or limiter._stamp:  # (_stamp: it adopted stored limits)
-            try:
-                validate_name(name, "rate limit name")
-            except ValueError as exc:
-                raise Refusal(422, "lock_name_invalid", name, str(exc)) from None
             limiter = RedisRateLimiter(
                 client,
                 name,

@@ -81,9 +81,11 @@ class _Locker:
     def __init__(
         self,
         name: str | NameFunction,
-        hold: Callable[[Any, str, web.Request], AbstractAsyncContextManager[object]],
         client: AnyRedis | None,
-        key: Any = None,
+        *,
+        hold: Callable[[Any, str, web.Request], AbstractAsyncContextManager[object]] | None = None,
+        take: Callable[[Any, str, web.Request], Awaitable[object]] | None = None,
+        key: Any = _HELD,
         query: Collection[str] = (),
     ) -> None:
         if isinstance(name, str):
@@ -96,8 +98,9 @@ class _Locker:
             ensure_async_client(client)
         self.name_of = name
         self.hold = hold
+        self.take = take
         self.client = client
-        self.key = _HELD if key is None else key
+        self.key = key
 
     async def run(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -107,6 +110,10 @@ class _Locker:
             if name is None:
                 return await handler(request)
             client = self.client if self.client is not None else _client_of(request)
+            if self.hold is None:  # permits: nothing to release after the handler
+                assert self.take is not None
+                request[self.key] = await self.take(client, name, request)
+                return await handler(request)
             async with self.hold(client, name, request) as held:
                 request[self.key] = held
                 return await handler(request)
@@ -143,7 +150,7 @@ def locked(
     request); or a function of the request returning the name (sync or async). The other
     options are those of `lock_middleware`.
     """
-    return _decorator(_Locker(name, LockPolicy(**options).hold, client, query=query))
+    return _decorator(_Locker(name, client, hold=LockPolicy(**options).hold, query=query))
 
 
 def rate_limited(
@@ -160,7 +167,7 @@ def rate_limited(
     other options are those of `limit_middleware`.
     """
     policy = LimitPolicy(rate, **options)
-    return _decorator(_Locker(name, policy.hold, client, _PERMIT, query))
+    return _decorator(_Locker(name, client, take=policy.take, key=_PERMIT, query=query))
 
 
 def _decorator(locker: _Locker) -> Callable[[Handler], Handler]:
@@ -194,7 +201,7 @@ def lock_middleware(
     - `prefix`: the key prefix, as for the primitives.
     - The client: `client` if given, else `app[REDIS]`.
     """
-    return _middleware(_Locker(name, LockPolicy(**options).hold, client))
+    return _middleware(_Locker(name, client, hold=LockPolicy(**options).hold))
 
 
 def limit_middleware(
@@ -221,7 +228,7 @@ def limit_middleware(
       its name's live ones is answered 500 `"limit_mismatch"`.
     - The client: `client` if given, else `app[REDIS]`.
     """
-    return _middleware(_Locker(name, LimitPolicy(rate, **options).hold, client, _PERMIT))
+    return _middleware(_Locker(name, client, take=LimitPolicy(rate, **options).take, key=_PERMIT))
 
 
 def _middleware(locker: _Locker) -> Any:

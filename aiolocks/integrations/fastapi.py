@@ -19,7 +19,8 @@ annotations` here: FastAPI reads the dependency signatures at run time.)
 
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Annotated, Any, TypeVar, Unpack, cast
+from inspect import Parameter, Signature
+from typing import Annotated, Any, TypeVar, Unpack
 
 import redis.asyncio
 from fastapi import Depends, HTTPException, Request
@@ -29,6 +30,7 @@ from fastapi.routing import APIRoute
 from .._base._clients import ensure_async_client
 from .._base._errors import LockError
 from ._hold import (
+    Answer,
     HeldLock,
     LockOptions,
     LockPolicy,
@@ -84,7 +86,7 @@ def request_lock(
     The dependency yields a `HeldLock` (name, fencing token, `lost` event, the lock).
     Arguments are checked here, when the app is built.
     """
-    return _dependency(name, client, state_key, LockPolicy(**options).hold)
+    return _dependency(name, client, state_key, hold=LockPolicy(**options).hold)
 
 
 def request_limit(
@@ -118,75 +120,67 @@ def request_limit(
     The dependency yields a `Permit` (name, cost, the limiter). Arguments are checked here,
     when the app is built.
     """
-    return _dependency(name, client, state_key, LimitPolicy(rate, **options).hold)
+    return _dependency(name, client, state_key, take=LimitPolicy(rate, **options).take)
 
 
 def _dependency(
     name: str | NameDependency,
     client: redis.asyncio.Redis | None,
     state_key: str,
-    hold: Callable[[Any, str, Request], AbstractAsyncContextManager[T]],
+    *,
+    hold: Callable[[Any, str, Request, Answer], AbstractAsyncContextManager[T]] | None = None,
+    take: Callable[[Any, str, Request, Answer], Awaitable[T]] | None = None,
 ) -> Callable[..., Awaitable[T]]:
-    """The dependency holding `hold(client, name)` around each request's endpoint."""
+    """The dependency holding `hold(client, name, request)` around each request's
+    endpoint, or awaiting `take(client, name, request)` before it (nothing to release)."""
     if client is not None:
         ensure_async_client(client)  # TypeError, naming what is accepted
     if not isinstance(state_key, str) or not state_key.isidentifier():
         raise ValueError(f"state_key must be an identifier, got {state_key!r}")
+    request_parameter = Parameter("request", Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    name_of: Callable[[Request], str] | None = None
+    if isinstance(name, str):
+        name_of = _from_template(NameTemplate(name))
+        parameters = [request_parameter]
+    elif callable(name):
+        name_parameter = Parameter(
+            "lock_name", Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[str, Depends(name)]
+        )
+        parameters = [request_parameter, name_parameter]
+    else:
+        raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
 
-    # One plain dependency (no generator, no sub-dependency for a template's name: each
-    # level costs FastAPI a round of dependency solving per request). The holding goes on
-    # the exit stack FastAPI keeps for scope-"function" dependencies, so whatever scope
-    # the user's `Depends(...)` gives, it ends when the endpoint returns, before the
-    # response exists: a loss found at release still answers `lost_status`.
-    async def held(request: Request, lock_name: str) -> T:
+    # One plain dependency, one coroutine (no generator, no sub-dependency for a template's
+    # name, no wrapper: each level costs every request). The holding goes on the exit
+    # stack FastAPI keeps for scope-"function" dependencies, so whatever scope the user's
+    # `Depends(...)` gives, it ends when the endpoint returns, before the response exists:
+    # a loss found at release still answers `lost_status`. Its refusals, entering or at
+    # the release, are raised as HTTPException (`_http`).
+    async def held(request: Request, lock_name: str = "") -> T:
+        if name_of is not None:
+            lock_name = name_of(request)
+        redis_client = client if client is not None else _client_of(request, state_key)
+        if hold is None:
+            assert take is not None
+            return await take(redis_client, lock_name, request, _http)
         stack = request.scope.get("fastapi_function_astack")
         if stack is None:
             raise RuntimeError(
                 "aiolocks' request dependencies need FastAPI 0.121 or later (its "
                 "scope-'function' exit stack was not found in the request scope)"
             )
-        redis_client = client if client is not None else _client_of(request, state_key)
-        holding = _Answered(hold(redis_client, lock_name, request))
-        return cast(T, await stack.enter_async_context(holding))
+        holding = hold(redis_client, lock_name, request, _http)
+        entered = await holding.__aenter__()
+        stack.push_async_exit(holding)
+        return entered
 
-    if isinstance(name, str):
-        lock_name = _from_template(NameTemplate(name))
-
-        async def from_template(request: Request) -> T:
-            return await held(request, lock_name(request))
-
-        return from_template
-    if not callable(name):
-        raise TypeError(f"name must be a str template or a callable, not {type(name).__name__}")
-
-    async def from_dependency(request: Request, lock_name: Annotated[str, Depends(name)]) -> T:
-        return await held(request, lock_name)
-
-    return from_dependency
+    # What FastAPI reads: `request`, and a name dependency's result as `lock_name` (a
+    # template fills the name itself: no `lock_name` query parameter).
+    held.__signature__ = Signature(parameters)  # type: ignore[attr-defined]
+    return held
 
 
-class _Answered:
-    """A holding whose `Refusal` (entering, or at the release) is FastAPI's HTTPException."""
-
-    __slots__ = ("holding",)
-
-    def __init__(self, holding: AbstractAsyncContextManager[Any]) -> None:
-        self.holding = holding
-
-    async def __aenter__(self) -> Any:
-        try:
-            return await self.holding.__aenter__()
-        except Refusal as refusal:
-            raise _http(refusal) from refusal
-
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
-        try:
-            return await self.holding.__aexit__(*exc_info)
-        except Refusal as refusal:
-            raise _http(refusal) from refusal
-
-
-def _http(refusal: Refusal) -> HTTPException:
+def _http(refusal: Refusal) -> Exception:
     return HTTPException(refusal.status, detail=refusal.body, headers=refusal.headers)
 
 
@@ -206,7 +200,7 @@ def _from_template(template: NameTemplate) -> Callable[[Request], str]:
             query = request.query_params
             from_query = {field: query[field] for field in known[1] if field in query}
         try:
-            return template.fill(request.path_params, from_query)
+            return template.fill(request.scope.get("path_params", {}), from_query)
         except Refusal as refusal:
             raise _http(refusal) from None
 
