@@ -736,14 +736,15 @@ class LeasedLock(AsyncWithOnly):
         self._enter_body(task)
         return self
 
-    def _enter_body(self, task: asyncio.Task[Any] | None = None) -> None:
+    def _enter_body(self, task: asyncio.Task[Any] | None = None) -> Holding:
         """The current task's holding enters its `async with` body: a loss cancels the body,
         and `__aexit__` takes that cancellation back (the web integrations call it after
-        their own `acquire()`, a refusal costing no `LockTimeout`)."""
+        their own `acquire()`, a refusal costing no `LockTimeout`). Returns the holding."""
         holding = self._holdings[current_task() if task is None else task]
         holding.body = True
         if holding.is_lost:  # lost before the body even started
             holding.cancel_body()
+        return holding
 
     async def __aexit__(
         self,

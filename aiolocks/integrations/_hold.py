@@ -265,9 +265,9 @@ class Holding:
                 busy = f"{name!r} has all {policy.limit} of its slots held"
             message = f"{busy}; not acquired{waited}"
             raise self.answer(Refusal(policy.busy_status, "lock_busy", name, message))
-        lock._enter_body()  # as the lock's own `async with`: a loss cancels the body
-        holding = lock._current()  # (its fence, and its `lost` event when asked for)
-        assert holding is not None
+        # As the lock's own `async with`: a loss cancels the body. (The holding: its fence,
+        # and its `lost` event when asked for.)
+        holding = lock._enter_body()
         return HeldLock(name, holding.fence, lock, holding)
 
     async def __aexit__(
