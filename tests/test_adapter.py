@@ -109,6 +109,21 @@ async def test_holds_connections_follows_the_pool(client: Any) -> None:
     assert not _adapter.holds_connections(client)
 
 
+async def test_connection_options_are_the_clients_settings(valkey_notify: ServerProcess) -> None:
+    made = redis.asyncio.Redis(host="127.0.0.1", port=valkey_notify.port, db=3, socket_timeout=2.5)
+    try:
+        options = _adapter.connection_options(made)
+        assert (options["port"], options["db"], options["socket_timeout"]) == (
+            valkey_notify.port,
+            3,
+            2.5,
+        )
+        assert ", db 3) at " in _adapter.describe(made)
+    finally:
+        await made.aclose()
+    assert _adapter.connection_options(object()) == {}  # neither a pool nor options
+
+
 def test_never_decode_is_the_libraries_option() -> None:
     assert _adapter.NEVER_DECODE == redis.client.NEVER_DECODE
     valkey_client = pytest.importorskip("valkey.client", reason="valkey-py is not installed")

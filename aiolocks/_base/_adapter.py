@@ -28,7 +28,7 @@ import contextlib
 import importlib
 import inspect
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio
@@ -38,6 +38,7 @@ __all__ = [
     "close_engine_client",
     "describe",
     "close_idle_connections",
+    "connection_options",
     "engine_client",
     "holds_connections",
     "needs_initialise",
@@ -283,9 +284,17 @@ def on_aclose(client: Any, hook: Callable[[Any], Awaitable[None]]) -> None:
     client.aclose = aclose
 
 
+def connection_options(client: Any) -> Mapping[str, Any]:
+    """The options `client` makes its connections with (host, port, db, socket_timeout...):
+    its pool's, or, on Cluster (no pool of its own), the client's; empty if neither."""
+    pool = getattr(client, "connection_pool", None)
+    options = getattr(pool, "connection_kwargs", None) or getattr(client, "connection_kwargs", None)
+    return options or {}
+
+
 def describe(client: Any) -> str:
     """`client` named for an error: its class, the server it is for, and its identity."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    kwargs = connection_options(client)
     where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
     return f"{type(client).__name__}({where}, db {kwargs.get('db', 0)}) at {id(client):#x}"
 

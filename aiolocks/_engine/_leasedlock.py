@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar
 
-from .._base import _clock, _spec, _telemetry
+from .._base import _adapter, _clock, _spec, _telemetry
 from .._base._clients import AnyRedis, ensure_async_client
 from .._base._errors import (
     LockError,
@@ -784,9 +784,7 @@ class LeasedLock(AsyncWithOnly):
 def _try_bound(client: AnyRedis) -> float:
     """How long one try (blocking=False) waits for the server: the client's socket_timeout
     when it has one, else `_acquire.TRY_BOUND`."""
-    pool = getattr(client, "connection_pool", None)
-    options = getattr(pool, "connection_kwargs", None) or getattr(client, "connection_kwargs", {})
-    timeout = options.get("socket_timeout")
+    timeout = _adapter.connection_options(client).get("socket_timeout")
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return float(timeout)
     return _acquire.TRY_BOUND

@@ -546,8 +546,7 @@ class Notifier:
 
 
 def _db_of(client: AnyRedis) -> int:
-    kwargs = client.connection_pool.connection_kwargs  # type: ignore[union-attr]
-    return int(kwargs.get("db", 0) or 0)
+    return int(_adapter.connection_options(client).get("db", 0) or 0)
 
 
 def _as_bytes(value: object) -> bytes:
