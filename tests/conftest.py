@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
@@ -91,6 +92,13 @@ CONFIG: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global CONFIG
     CONFIG = config
+    # Run as from a terminal: whoever started the tests may have SIGINT ignored (a
+    # background job of a non-interactive shell, `nohup`), and an ignored signal stays
+    # ignored in every child, so the tests that stop a child with Ctrl-C (a sync waiter,
+    # a worker, a documented snippet) would wait for ever. A handler is reset to the
+    # default in a child; an ignored signal is not.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def work_unit(nodeid: str) -> str:

@@ -173,7 +173,6 @@ async def _program(*argv: object, env: dict[str, str] | None = None) -> AsyncIte
         *map(str, argv),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=environ, start_new_session=True,
-        preexec_fn=_as_in_a_terminal,
     )  # fmt: skip
     worker = Worker(proc, f"{Path(str(argv[1])).name} (pid {proc.pid})")
     try:
@@ -182,12 +181,6 @@ async def _program(*argv: object, env: dict[str, str] | None = None) -> AsyncIte
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await worker.finish()
-
-
-def _as_in_a_terminal() -> None:
-    """SIGINT as a terminal leaves it (whoever ran the tests may have it ignored, and an
-    ignored signal stays ignored in a child)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _descendants(pid: int) -> set[int]:
