@@ -359,22 +359,22 @@ class LeasedLock(AsyncWithOnly):
         deadline = None if timeout is None else _clock.monotonic() + timeout
         self._waiting += 1
         try:
-            if not self._local_handoff:
-                grant = await self._acquire_grant(context, 0, blocking, deadline)
-                acquired = grant is not None
-                if grant is not None:
-                    self._hold(context, task, grant)
-            elif (cohort := self._cohort_for(cohorts := cohorts_of(context), task)) is not None:
+            cohorts = cohorts_of(context) if self._local_handoff else None
+            cohort = None if cohorts is None else self._cohort_for(context, cohorts, task)
+            if cohort is not None:
                 acquired = await cohort.acquire(self, task, blocking, deadline)
-            else:  # alone: through Redis, as a cohort's contender would (`_cohort_for`)
+            else:  # strict FIFO, or alone: through Redis (as a cohort's contender would)
                 grant = None
                 try:
                     grant = await self._acquire_grant(
                         context, self._local_handoff, blocking, deadline
                     )
                 finally:
-                    self._acquired_alone(cohorts, context, task, grant)
+                    if cohorts is not None:
+                        self._acquired_alone(cohorts, context, task, grant)
                 acquired = grant is not None
+                if grant is not None and cohorts is None:
+                    self._hold(context, task, grant)
             if not acquired and self._local_handoff and _last_miss.get() is None:
                 _last_miss.set(_LOCAL_MISS)  # (no call to Redis told why)
         finally:
@@ -386,7 +386,7 @@ class LeasedLock(AsyncWithOnly):
         return acquired
 
     def _cohort_for(
-        self, cohorts: dict[_Key, Cohort | _Solo], task: asyncio.Task[Any]
+        self, context: ClientContext, cohorts: dict[_Key, Cohort | _Solo], task: asyncio.Task[Any]
     ) -> Cohort | None:
         """With `local_handoff`: the cohort `task` acquires through, or None when no other
         task of this process wants the lock, a `_Solo` entry then standing for `task` (no
@@ -400,7 +400,6 @@ class LeasedLock(AsyncWithOnly):
             return None
         if isinstance(found, Cohort):
             return found
-        context = context_for(self._client)
         cohort = cohorts[key] = Cohort(context, self._spec, self._ttl_ms, self._local_handoff)
         cohort.take_over(found)
         return cohort
