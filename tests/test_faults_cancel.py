@@ -284,6 +284,46 @@ async def test_a_deadline_swallowed_by_the_subscription_write_still_bounds_the_a
     assert took < 0.1 + 0.4, took  # (before the fix: the 1 s confirmation bound more)
 
 
+async def test_a_close_swallowed_by_the_pubsub_reconnection_still_ends(
+    valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`client.aclose()` while the notifier's reader re-makes its pub/sub link, the reader's
+    cancellation swallowed by the re-connection's writes (redis-py's `asyncio.wait_for` on
+    Python 3.11, when a write completes as the cancellation lands), ends: the reader raises
+    it again before it waits on the link it re-made. It waited there for ever (nothing wakes
+    the reader of a link that is up), and so did `aclose()`: the hang of
+    test_local_handoff's lost-link test, 1 run in about 60 under load, its link killed."""
+    reconnecting = asyncio.Event()
+    reconnect = notifier_module.Link.reconnect
+
+    async def swallowing_reconnect(self: Any) -> None:
+        reconnecting.set()
+        with contextlib.suppress(asyncio.CancelledError):  # aclose's, dropped as wait_for does
+            await asyncio.sleep(5)
+        await reconnect(self)  # the link is up again
+
+    client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    killer = redis.asyncio.Redis.from_url(valkey_notify.url)
+    closing: asyncio.Future[None] | None = None
+    try:
+        notifier = context_for(client).notifier
+        await notifier.retain(b"relinked", None)  # a subscription, its link and reader
+        monkeypatch.setattr(notifier_module.Link, "reconnect", swallowing_reconnect)
+        await killer.client_kill_filter(_type="pubsub")
+        await asyncio.wait_for(reconnecting.wait(), 10)
+        closing = asyncio.ensure_future(client.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=5)
+        assert done, "aclose() waited for ever on the notifier's reader"
+        closing.result()
+    finally:
+        if closing is None:
+            await client.aclose()
+        elif not closing.done():
+            closing.cancel()  # (its reader cancelled again: it ends)
+            await asyncio.wait({closing}, timeout=5)
+        await killer.aclose()
+
+
 async def test_a_cancellation_swallowed_by_a_failed_call_starts_no_second_attempt(
     valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -454,14 +454,16 @@ class Notifier:
             try:
                 if not link.connected:
                     await self._reconnect(link)
+                # A re-connection (ours, or a read's through redis-py) re-subscribes, and
+                # redis-py's `wait_for` around those writes may swallow aclose's
+                # cancellation (Python 3.11): raised again before the reader waits, as
+                # nothing wakes the reader of a link that is up (aclose waited for ever).
+                redeliver_cancel(before)
                 message = None
                 if link.parser is None:
                     message = await link.pubsub.get_message(timeout=None)
                 else:
                     await link.stopped()  # raises what broke the link
-                # A read that re-connected re-subscribes, and redis-py's `wait_for` around
-                # that write may swallow aclose's cancellation (Python 3.11): not ours.
-                redeliver_cancel(before)
                 delay = _RETRY_MIN
             except asyncio.CancelledError:
                 # Shutdown (aclose, or the loop closing): close the connection too.
