@@ -17,8 +17,8 @@ What differs by release, and how it is met here:
   `health_check_interval` set) sends a PING and reads its reply: a second reader beside
   the notifier's, which redis-py refuses ("read() called while another coroutine is
   already waiting") and valkey-py 6.2 takes a subscription's confirmation for.
-- uvloop's transports are no `asyncio.Transport` subclasses: `socket_transport` asks for
-  what the engine uses of a transport, not for a class.
+- uvloop's transports are no `asyncio.Transport` subclasses: `socket_writer` asks for
+  what the engine uses of a transport (once per transport class), not for a class.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "pubsub_unsubscribed",
     "reply_error",
     "socket_transport",
+    "socket_writer",
     "ssubscribe",
     "sunsubscribe",
     "take_unread",
@@ -126,15 +127,32 @@ def writer_of(connection: Any) -> Any:
     return connection._writer if connection.is_connected else None
 
 
+# Per transport class: whether it has what the engine uses of a socket's transport
+# (`_TRANSPORT_METHODS`), asked once per class rather than at every write.
+_ON_SOCKET: dict[type, bool] = {}
+
+
+def socket_writer(connection: Any) -> Any:
+    """The stream writer of `connection` when it is open on a socket whose transport is not
+    closing, else None (also for connections that are not on a socket, such as fakeredis')."""
+    writer = writer_of(connection)
+    transport = getattr(writer, "transport", None)
+    if transport is None:
+        return None
+    kind = type(transport)
+    on_socket = _ON_SOCKET.get(kind)
+    if on_socket is None:
+        on_socket = _ON_SOCKET[kind] = all(hasattr(kind, name) for name in _TRANSPORT_METHODS)
+    if not on_socket or transport.is_closing():
+        return None
+    return writer
+
+
 def socket_transport(connection: Any) -> Any:
     """The transport of `connection`'s socket when it is open and not closing, else None
     (also for connections that are not on a socket, such as fakeredis')."""
-    transport = getattr(writer_of(connection), "transport", None)
-    if transport is None or not all(hasattr(transport, name) for name in _TRANSPORT_METHODS):
-        return None
-    if transport.is_closing():
-        return None
-    return transport
+    writer = socket_writer(connection)
+    return None if writer is None else writer.transport
 
 
 def unread(connection: Any) -> bool | None:

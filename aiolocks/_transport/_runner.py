@@ -189,18 +189,19 @@ class ScriptRunner:
         """
         if (initialising := self._ready()) is not None:
             await initialising
-        before = pending_cancels()
         if self.autopipe is not None:
-            reply = await self.autopipe.call(script, keys, args, retry, sent)
-        else:
-            async with self._slots:
-                try:
-                    reply = await self._evalsha(script, keys, args, sent)
-                except (*CONNECTION_ERRORS, *TIMEOUT_ERRORS):
-                    if not retry:
-                        raise
-                    redeliver_cancel(before)  # a caller cancelled meanwhile: no second try
-                    reply = await self._evalsha(script, keys, args, sent)
+            # The reply's own future: a cancellation always reaches this await (nothing of
+            # redis-py's, whose `wait_for` may swallow one, is awaited on the way).
+            return await self.autopipe.call(script, keys, args, retry, sent)
+        before = pending_cancels()
+        async with self._slots:
+            try:
+                reply = await self._evalsha(script, keys, args, sent)
+            except (*CONNECTION_ERRORS, *TIMEOUT_ERRORS):
+                if not retry:
+                    raise
+                redeliver_cancel(before)  # a caller cancelled meanwhile: no second try
+                reply = await self._evalsha(script, keys, args, sent)
         redeliver_cancel(before)
         return reply
 
@@ -1051,8 +1052,7 @@ def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:
     backlog): a batch then goes out with one synchronous write. redis-py's own
     `send_packed_command` would wrap every write in a task and a timer (`wait_for`)."""
     # Not a socket's stream (fakeredis' connections): redis-py's own path, in the writer task.
-    transport = _adapter.socket_transport(connection)  # asyncio's, or uvloop's
-    if transport is None or transport.get_write_buffer_size():
+    writer: asyncio.StreamWriter | None = _adapter.socket_writer(connection)  # asyncio, uvloop
+    if writer is None or writer.transport.get_write_buffer_size():
         return None
-    writer: asyncio.StreamWriter = _adapter.writer_of(connection)
     return writer
