@@ -39,6 +39,7 @@ from aiolocks import (
 from aiolocks._engine._context import context_for
 from aiolocks._engine._leasedlock import cohorts_of
 from aiolocks._scripts import Script
+from aiolocks._transport import _runner
 from aiolocks._transport._runner import AUTOPIPELINE_ENV
 from aiolocks._waiting import _notifier as notifier_module
 
@@ -322,6 +323,44 @@ async def test_a_close_swallowed_by_the_pubsub_reconnection_still_ends(
             closing.cancel()  # (its reader cancelled again: it ends)
             await asyncio.wait({closing}, timeout=5)
         await killer.aclose()
+
+
+@pytest.mark.skipif(not _runner.HIREDIS, reason="the reader waits in Link.stopped with hiredis")
+async def test_a_close_whose_cancellation_the_reader_lost_anywhere_still_ends(
+    valkey_notify: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`client.aclose()` ends even if the notifier's reader loses its cancellation where no
+    check of ours is (a wait the link's messages never end): the closer cancels it again
+    (`_errors.stop_tasks`, every `RECANCEL_EVERY` s) instead of waiting on it for ever."""
+    waiting = asyncio.Event()
+    stopped = notifier_module.Link.stopped
+    lost: list[int] = []
+
+    async def losing_stopped(self: Any) -> None:
+        waiting.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            lost.append(1)  # dropped, as redis-py's wait_for may drop one
+        await stopped(self)  # waits for a poke or a drop: neither comes
+
+    monkeypatch.setattr(notifier_module.Link, "stopped", losing_stopped)
+    client = redis.asyncio.Redis.from_url(valkey_notify.url)
+    closing: asyncio.Future[None] | None = None
+    try:
+        await context_for(client).notifier.retain(b"lost-cancel", None)
+        await asyncio.wait_for(waiting.wait(), 10)
+        closing = asyncio.ensure_future(client.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=5)
+        assert done, "aclose() waited for ever on a reader that lost its cancellation"
+        closing.result()
+        assert lost == [1]  # (the first cancellation was lost: the second one ended it)
+    finally:
+        if closing is None:
+            await client.aclose()
+        elif not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing}, timeout=5)
 
 
 async def test_a_cancellation_swallowed_by_a_failed_call_starts_no_second_attempt(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -254,6 +255,22 @@ def redeliver_cancel(before: int) -> None:
     """
     if pending_cancels() > before and anyio.current_effective_deadline() != -math.inf:
         raise asyncio.CancelledError
+
+
+# How often `stop_tasks` cancels again a task that has not ended.
+RECANCEL_EVERY = 1.0
+
+
+async def stop_tasks(tasks: Collection[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again every
+    `RECANCEL_EVERY` s any that has not: a cancellation redis-py's `wait_for` swallowed
+    (Python 3.11, one that lands as the call it wraps completes) would otherwise leave the
+    task running and its closer waiting for ever. Their outcomes are the caller's to read."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_EVERY)
 
 
 def retrieved(future: asyncio.Future[Any]) -> None:

@@ -37,7 +37,7 @@ from redis.crc import key_slot
 from .._base import _clock, _telemetry
 from .._base._adapter import text
 from .._base._clients import AnyRedis, is_cluster
-from .._base._errors import REDIS_ERRORS, cancelling, retrieved
+from .._base._errors import REDIS_ERRORS, cancelling, retrieved, stop_tasks
 from .._scripts import Script
 from .._waiting._waitqueue import Waiter
 from ._renewbatch import OP, RENEW_BATCH, Entry, pack
@@ -840,11 +840,10 @@ class LeaseKeeper:
         self._groups.clear()
         self._heap.clear()
         tasks = [*self._batches, *([self._task] if self._task is not None else [])]
-        for task in tasks:
-            task.cancel()
+        await stop_tasks(tasks)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, *REDIS_ERRORS):
-                await task
+                await task  # (ended: its outcome read)
         self._task = None
 
 

@@ -70,6 +70,7 @@ from .._base._errors import (
     pending_cancels,
     redeliver_cancel,
     retrieved,
+    stop_tasks,
 )
 from .._scripts import Script
 
@@ -1042,9 +1043,8 @@ class AutoPipeline:
         ]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=CLOSE_BOUND)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(late)
+            await asyncio.gather(*tasks, return_exceptions=True)  # (ended: outcomes read)
 
 
 def _open_writer(connection: AbstractConnection) -> asyncio.StreamWriter | None:

@@ -42,6 +42,7 @@ from .._base._errors import (
     pending_cancels,
     redeliver_cancel,
     retrieved,
+    stop_tasks,
 )
 from .._scripts import Script, load
 from .._transport._runner import MORE, direct_reader, install_replies, restore_protocol
@@ -422,9 +423,9 @@ class Notifier:
         for link in list(self._links.values()):
             reader, link.reader = link.reader, None
             if reader is not None and reader is not asyncio.current_task():
-                reader.cancel()
+                await stop_tasks((reader,))
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reader
+                    await reader  # (ended: its outcome read)
             await self._drop_idle(link)
         self._links.clear()
         # A reference dropped later (a wait ending after its client was closed) finds no
