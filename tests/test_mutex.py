@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
+import weakref
 
 import anyio
 import pytest
@@ -309,3 +311,28 @@ async def test_a_try_that_hands_a_free_name_to_a_waiter_of_its_own_client_wakes_
     finally:
         await close_client(client)
         await close_client(admin)
+
+
+async def test_a_released_mutex_is_freed_without_the_garbage_collector(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A mutex made, held and released (as a request handler does, in a task of its own)
+    is freed by reference counting: its holding owned its own lease, each referring to the
+    other, and every cycle's mutex, holding, lease and task waited for the garbage collector
+    (and, held long enough, for a full collection)."""
+
+    async def cycle() -> weakref.ref[RedisMutex]:
+        mutex = RedisMutex(r, "freed-by-refcount")
+        async with mutex:
+            await asyncio.sleep(0)
+        return weakref.ref(mutex)
+
+    await cycle()  # (scripts loaded, the engine started)
+    gc.collect()
+    gc.disable()
+    try:
+        in_a_task = await asyncio.ensure_future(cycle())
+        assert in_a_task() is None, "the mutex is left to the garbage collector"
+        assert (await cycle())() is None, "the mutex is left to the garbage collector"
+    finally:
+        gc.enable()

@@ -553,6 +553,7 @@ class LeasedLock(AsyncWithOnly):
                 await _release.withdraw(
                     lost, self._spec, holding.token, self._ttl_ms, until, call=holding.give_back
                 )
+            holding.released()
             raise self._lost_error(holding)
         context = context_for(self._client)
         cohort = self._leave_alone(context, holding) if in_cohort else None
@@ -566,7 +567,10 @@ class LeasedLock(AsyncWithOnly):
                 if cohort is not None:
                     answer = await cohort.release(self, holding, valid_until)
                 else:
-                    answer = await self._release_surely(context, holding)
+                    try:
+                        answer = await self._release_surely(context, holding)
+                    finally:
+                        holding.released()
             except asyncio.CancelledError:
                 # The keeper reports no loss of a lease being released: a release cancelled
                 # after its validity ended records the loss itself (else none would).

@@ -96,6 +96,14 @@ class Callbacks:
         self.give_back = give_back
 
 
+async def _nothing() -> None:
+    return None
+
+
+# The owner of a lease whose holding was released (`Lease.disowned`): nothing to tell.
+_NO_OWNER = Callbacks(lambda reason: None, _nothing)
+
+
 class Lease:
     """One held lease: how to renew it, until when it is known valid, whom to tell if lost."""
 
@@ -171,6 +179,12 @@ class Lease:
     def ended(self) -> None:
         """No longer held (lost, or capped by `max_hold`): nothing renews it any more."""
         self.lost = True
+
+    def disowned(self) -> None:
+        """Its holding is released, and the lease never held again: it no longer refers to
+        its owner. A holding that owns its own lease refers to it too, and the pair would
+        be freed only by the garbage collector, with the holding's task and lock."""
+        self.owner = _NO_OWNER
 
 
 class Owner(Protocol):
@@ -259,6 +273,12 @@ class Holding:
     # be that many more objects for every full collection of the garbage collector).
     def lease_lost(self, reason: str) -> None:
         self.lock._keeper_lost(self, reason)
+
+    def released(self) -> None:
+        """Its release through Redis ended (answered or not): its own lease lets go of it
+        (`Lease.disowned`), so both are freed as soon as nothing else refers to them."""
+        if self.lease is not None and self.lease.owner is self:
+            self.lease.disowned()
 
     async def give_back(self) -> bool | None:
         return await self.lock._give_back_holding(self)
