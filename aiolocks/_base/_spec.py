@@ -57,9 +57,13 @@ RETRY_MIN, RETRY_MAX = 0.05, 2.0
 LOST_REPLY = (*CONNECTION_ERRORS, *TIMEOUT_ERRORS)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Spec:
-    """What a primitive instance gives the engine: its keys, channel and scripts."""
+    """What a primitive instance gives the engine: its keys, channel and scripts.
+
+    Never changed once made (a new setting makes a new one), but not `frozen`: a handler
+    makes a primitive per request, and a frozen dataclass's `__init__` sets each of its 14
+    fields through `object.__setattr__`, 1.7 µs against 0.6 (of a mutex's 3.9 µs to make)."""
 
     name: str
     side: str  # of its queue members: 'x' exclusive, 'r' / 'w' read / write side

@@ -141,7 +141,11 @@ class LeasedLock(AsyncWithOnly):
         if on_lost is not None and not callable(on_lost):
             raise TypeError("on_lost must be callable")
         self._on_lost = on_lost
-        self._replicas = validate_replicas(replicas, self._client)
+        self._replicas = (
+            0  # (the default: nothing to check, and no Cluster question to ask)
+            if replicas == 0 and type(replicas) is int
+            else validate_replicas(replicas, self._client)
+        )
         self._replica_timeout_ms = (
             _DEFAULT_REPLICA_TIMEOUT_MS
             if replica_timeout is DEFAULT_REPLICA_TIMEOUT
