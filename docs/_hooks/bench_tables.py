@@ -639,8 +639,53 @@ def _sync(data: dict[str, Any]) -> str:
     )
 
 
+def _fastapi(data: dict[str, Any]) -> str:
+    """bench_fastapi.py --rounds N: each install's medians per mode and worker count, then
+    the ratios the FastAPI page promises, each taken within a round (median over rounds)."""
+    results: dict[str, dict[str, list[dict[str, Any]]]] = data["results"]
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    rows = [
+        (
+            label,
+            run.replace("/", ", ") + " w",
+            _num(median([r["per_s"] for r in rounds])),
+            _num(median([r["cpu_us"] for r in rounds if r.get("cpu_us") is not None])),
+            _num(median([r["scripts_per_req"] for r in rounds if "scripts_per_req" in r]), 2),
+            sum(r["overlaps"] or 0 for r in rounds if r.get("counter_exact") is not None),
+        )
+        for label, runs in results.items()
+        for run, rounds in runs.items()
+    ]
+    table = _table(
+        ("build", "mode, workers", "requests/s", "CPU µs / request", "scripts / request",
+         "overlaps"),
+        rows,
+    )  # fmt: skip
+    ratios = (
+        ("by hand / asyncio.Lock, 1 worker", "by-hand/1", "floor/1"),
+        ("request_lock (wait) / asyncio.Lock, 1 worker", "wait/1", "floor/1"),
+        ("request_lock (wait) / by hand, 2 workers", "wait/2", "by-hand/2"),
+        ("refuse / redis-py's Lock, 2 workers", "refuse/2", "redis-py/2"),
+    )
+    ratio_rows = []
+    for what, top, bottom in ratios:
+        row: list[object] = [what]
+        for runs in results.values():
+            pairs = zip(runs.get(top, []), runs.get(bottom, []), strict=False)
+            row.append(_times(median([a["per_s"] / b["per_s"] for a, b in pairs if b["per_s"]])))
+        ratio_rows.append(row)
+    took = f"{data['rounds']} rounds of {data['seconds']:g} s, {data['connections']} connections"
+    took += f" over {data['orders']} orders, on {data['server']}. "
+    took += _machine({**data, "server": {}})
+    return "\n\n".join([took, table, _table(("requests/s, per round", *results), ratio_rows)])
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "sync": _sync,
+    "fastapi": _fastapi,
     "cost": _cost,
     "cost_instructions": _cost_instructions,
     "default_mutex": _default_mutex,
