@@ -77,6 +77,14 @@ def _valid_until(holding: Holding, taken: _Taken | None) -> float | None:
     return min((lease.valid_until for lease in leases), default=holding.lease.valid_until)
 
 
+def _let_go(taken: _Taken | None) -> None:
+    """An acquisition's names are being released (their renewal stopped): each lease lets
+    go of its callbacks, which refer to `taken`, which refers to the leases (a cycle the
+    garbage collector would otherwise have to find, with the lock and its holding)."""
+    for lease in () if taken is None else taken.leases:
+        lease.disowned()
+
+
 def _all_held(results: Iterable[bool | None]) -> bool | None:
     """One release answer for several names: False if any was not held, None if unsure."""
     answers = list(results)
@@ -303,7 +311,7 @@ class RedisMultiLock(LeasedLock):
         return _all_held(await asyncio.gather(*calls))
 
     async def _release_call(self, context: ClientContext, token: str) -> bool | None:
-        self._taken.pop(token, None)
+        _let_go(self._taken.pop(token, None))
         return await self._release_all(context, self._specs, token)
 
     async def _release_surely(
@@ -318,6 +326,7 @@ class RedisMultiLock(LeasedLock):
         token = holding.token
         taken = self._taken.pop(token, None)
         until = _valid_until(holding, taken)
+        _let_go(taken)
         call = functools.partial(self._release_all, context, self._specs, token)
         if until is None:
             return await _release.completed(call())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, final
 
@@ -40,6 +41,15 @@ class SemaphoreInfo:
 # The largest limit: stored and compared exactly by the Lua scripts (numbers are doubles,
 # written with 14 significant digits).
 MAX_LIMIT = 2**31 - 1
+
+
+def _mismatch(name: str, limit: int, stored: int) -> LimitMismatch:
+    """The error of an acquisition refused because the name is stored with another limit."""
+    return LimitMismatch(
+        name,
+        f"stored with limit {stored}, used here with limit {limit}; "
+        "use set_limit() to change it on purpose",
+    )
 
 
 @final
@@ -107,18 +117,12 @@ class RedisSemaphore(LeasedLock):
             renew_keys=(holders, fences, fence, limit),
             args=(self._limit,),
             shared=True,
-            refused=self._mismatch,
+            # (not a bound method: the spec would refer back to the semaphore, a cycle)
+            refused=functools.partial(_mismatch, self._name, self._limit),
         )
 
     def _adopt_call(self) -> tuple[Script, tuple[bytes, ...]]:
         return _ADOPT, self._spec.renew_keys  # holders, fences, then the keys kept with them
-
-    def _mismatch(self, stored: int) -> LimitMismatch:
-        return LimitMismatch(
-            self._name,
-            f"stored with limit {stored}, used here with limit {self._limit}; "
-            "use set_limit() to change it on purpose",
-        )
 
     async def _view(self) -> list[Any]:
         with map_redis_errors(self._name):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,34 @@ async def test_a_detached_holding_is_adopted_renewed_and_released_elsewhere(
     assert await _held_by(second) is None
     assert await excluded.acquire(blocking=False) is True
     await excluded.release()
+
+
+# (A read-write lock's sides and the lock they belong to refer to one another: that pair is
+# the collector's whatever happens to its holdings.)
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+async def test_a_detached_instance_is_freed_without_the_garbage_collector(
+    clients: list[redis.asyncio.Redis], kind: str
+) -> None:
+    """An instance whose holding was detached is freed by reference counting: the holding
+    owned its own lease, each referring to the other, and detaching left the pair (with the
+    instance and the task) for the garbage collector."""
+
+    async def hand_over() -> weakref.ref[Any]:
+        first = FACTORIES[kind](clients[0], "ho:freed", ttl=TTL)
+        assert await first.acquire()
+        handle = first.detach()
+        second = FACTORIES[kind](clients[1], "ho:freed", ttl=TTL)
+        await second.adopt(handle)
+        await second.release()
+        return weakref.ref(first)
+
+    await hand_over()  # (scripts loaded, the engines started)
+    gc.collect()
+    gc.disable()
+    try:
+        assert (await asyncio.ensure_future(hand_over()))() is None, "left to the collector"
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("kind", list(FACTORIES))

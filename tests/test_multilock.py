@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,28 @@ async def test_acquire_release_fences_and_locked(clients: list[redis.asyncio.Red
     async with multi:
         again = multi.fencing_tokens
         assert again is not None and all(again[name] > tokens[name] for name in tokens)
+
+
+async def test_a_released_multilock_is_freed_without_the_garbage_collector(
+    clients: list[redis.asyncio.Redis],
+) -> None:
+    """A multi-lock made, held and released in a task of its own is freed by reference
+    counting: each name's lease referred, through its callbacks, to the acquisition's
+    record, which referred to the leases, a cycle with the lock and its holding."""
+
+    async def cycle() -> weakref.ref[RedisMultiLock]:
+        multi = RedisMultiLock(clients[0], ["freed:1", "freed:2"])
+        async with multi:
+            await asyncio.sleep(0)
+        return weakref.ref(multi)
+
+    await cycle()
+    gc.collect()
+    gc.disable()
+    try:
+        assert (await asyncio.ensure_future(cycle()))() is None, "left to the collector"
+    finally:
+        gc.enable()
 
 
 async def test_free_names_are_taken_in_one_script_call_on_one_server(

@@ -8,8 +8,10 @@ acquire script said so), never by polling Redis.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -72,6 +74,27 @@ async def semaphore_keys(client: redis.asyncio.Redis, name: str) -> dict[str, An
 
 
 # -- the limit ----------------------------------------------------------------------------
+
+
+async def test_a_released_semaphore_is_freed_without_the_garbage_collector(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A semaphore made, held and released in a task of its own is freed by reference
+    counting: its spec held a bound method of it (the limit mismatch's error), a cycle."""
+
+    async def cycle() -> weakref.ref[RedisSemaphore]:
+        semaphore = RedisSemaphore(r, "sem:freed", limit=2)
+        async with semaphore:
+            await asyncio.sleep(0)
+        return weakref.ref(semaphore)
+
+    await cycle()
+    gc.collect()
+    gc.disable()
+    try:
+        assert (await asyncio.ensure_future(cycle()))() is None, "left to the collector"
+    finally:
+        gc.enable()
 
 
 async def test_limit_is_respected_and_reached(

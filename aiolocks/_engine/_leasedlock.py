@@ -628,6 +628,7 @@ class LeasedLock(AsyncWithOnly):
             if cohort is not None:
                 cohort.detach(holding)  # drops the lease from the keeper if it is the cohort's
         self._stop_renewal(context, holding)
+        holding.released()  # (its lease, renewed here no more, lets go of it)
         if _telemetry.recorder is not None:
             _telemetry.on_release(self._spec, holding.token)  # it ends here, as far as we know
         return LockHandle(self._handle_kind, self._name, holding.token, holding.fence, self._prefix)

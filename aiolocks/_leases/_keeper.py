@@ -275,8 +275,9 @@ class Holding:
         self.lock._keeper_lost(self, reason)
 
     def released(self) -> None:
-        """Its release through Redis ended (answered or not): its own lease lets go of it
-        (`Lease.disowned`), so both are freed as soon as nothing else refers to them."""
+        """Its release through Redis ended (answered or not), or it was detached: its own
+        lease lets go of it (`Lease.disowned`), so both are freed as soon as nothing else
+        refers to them."""
         if self.lease is not None and self.lease.owner is self:
             self.lease.disowned()
 
