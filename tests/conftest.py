@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import signal
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -456,6 +457,21 @@ async def client(valkey_notify: ServerProcess) -> AsyncIterator[redis.asyncio.Re
     finally:
         await context_for(r).aclose()
         await r.aclose()
+
+
+async def freed_by_reference_counting(cycle: Callable[[], Awaitable[Callable[[], Any]]]) -> bool:
+    """Whether what `cycle` makes, holds and releases (in a task of its own, as a request
+    handler does, and in the caller's) is gone once it returns, with the garbage collector
+    off: `cycle` returns a weak reference to it. (A first cycle loads the scripts and starts
+    the engine.)"""
+    await cycle()
+    gc.collect()
+    gc.disable()
+    try:
+        in_a_task = await asyncio.ensure_future(cycle())
+        return in_a_task() is None and (await cycle())() is None
+    finally:
+        gc.enable()
 
 
 async def cancelled_attempt(lock: Any, rng: random.Random, outcomes: dict[str, int]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import random
 import weakref
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import redis.asyncio
 from _servers import ServerProcess
 from _web import ONE_SERVER, load_example
 from _workers import Spawn
+from conftest import freed_by_reference_counting
 
 from aiolocks import (
     LockError,
@@ -110,13 +110,7 @@ async def test_a_detached_instance_is_freed_without_the_garbage_collector(
         await second.release()
         return weakref.ref(first)
 
-    await hand_over()  # (scripts loaded, the engines started)
-    gc.collect()
-    gc.disable()
-    try:
-        assert (await asyncio.ensure_future(hand_over()))() is None, "left to the collector"
-    finally:
-        gc.enable()
+    assert await freed_by_reference_counting(hand_over), "left to the collector"
 
 
 @pytest.mark.parametrize("kind", list(FACTORIES))

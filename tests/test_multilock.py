@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import time
 import weakref
@@ -18,7 +17,7 @@ from _lockworker import CLUSTER_SCHEME
 from _probes import QueueProbe
 from _servers import ServerProcess
 from _workers import Spawn
-from conftest import Tasks, cancelled_attempt
+from conftest import Tasks, cancelled_attempt, freed_by_reference_counting
 from redis.asyncio.cluster import RedisCluster
 
 from aiolocks import LockError, LockLost, RedisMultiLock, RedisMutex
@@ -72,13 +71,7 @@ async def test_a_released_multilock_is_freed_without_the_garbage_collector(
             await asyncio.sleep(0)
         return weakref.ref(multi)
 
-    await cycle()
-    gc.collect()
-    gc.disable()
-    try:
-        assert (await asyncio.ensure_future(cycle()))() is None, "left to the collector"
-    finally:
-        gc.enable()
+    assert await freed_by_reference_counting(cycle), "left to the collector"
 
 
 async def test_free_names_are_taken_in_one_script_call_on_one_server(

@@ -8,7 +8,6 @@ acquire script said so), never by polling Redis.
 from __future__ import annotations
 
 import asyncio
-import gc
 import re
 import time
 import weakref
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from conftest import Tasks
+from conftest import Tasks, freed_by_reference_counting
 
 from aiolocks import (
     LimitMismatch,
@@ -88,13 +87,7 @@ async def test_a_released_semaphore_is_freed_without_the_garbage_collector(
             await asyncio.sleep(0)
         return weakref.ref(semaphore)
 
-    await cycle()
-    gc.collect()
-    gc.disable()
-    try:
-        assert (await asyncio.ensure_future(cycle()))() is None, "left to the collector"
-    finally:
-        gc.enable()
+    assert await freed_by_reference_counting(cycle), "left to the collector"
 
 
 async def test_limit_is_respected_and_reached(
