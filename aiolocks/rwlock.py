@@ -48,8 +48,11 @@ class _Side(LeasedLock):
     _renew: Script
 
     def __init__(self, owner: RedisReadWriteLock, **options: Any) -> None:
-        self._owner = owner
         super().__init__(owner._client, owner.name, **options)
+        # The other side's holdings (`_held_elsewhere`), set by the lock once both sides
+        # are made. Not the lock itself: it refers to both sides, and a side referring back
+        # would make every read-write lock a cycle, freed only by the garbage collector.
+        self._other_side: dict[asyncio.Task[Any], Holding] = {}
 
     def _make_spec(self) -> _spec.Spec:
         keys = KeySpace(self._prefix, self._kind, self._name)
@@ -76,12 +79,22 @@ class _Side(LeasedLock):
         return _ADOPT_READER, self._spec.renew_keys
 
     def _held_elsewhere(self, task: asyncio.Task[Any]) -> Holding | None:
-        other = self._owner._write if self._side == "r" else self._owner._read
-        return other._holdings.get(task)
+        return self._other_side.get(task)
 
     async def inspect(self) -> RWLockInfo:
-        """The server's view of the whole lock (both sides)."""
-        return await self._owner.inspect()
+        """The server's view of the whole lock (both sides): writer, live readers, queue
+        length, last fence."""
+        with map_redis_errors(self._name):
+            writer, readers, queue, fence = await context_for(self._client).run(
+                _INSPECT, self._spec.keys, ()
+            )
+        return RWLockInfo(
+            name=self._name,
+            writer=None if writer is None else text(writer),
+            readers=int(readers),
+            queue_length=int(queue),
+            fence=int(fence),
+        )
 
 
 @final
@@ -96,7 +109,7 @@ class ReadLock(_Side):
     @query
     async def locked(self) -> bool:
         """True when a reader could not enter now because a writer holds it (asks Redis)."""
-        return (await self._owner.inspect()).writer is not None
+        return (await self.inspect()).writer is not None
 
 
 @final
@@ -111,7 +124,7 @@ class WriteLock(_Side):
     @query
     async def locked(self) -> bool:
         """True when anyone, reader or writer, holds the lock (asks Redis)."""
-        info = await self._owner.inspect()
+        info = await self.inspect()
         return info.writer is not None or info.readers > 0
 
 
@@ -154,6 +167,8 @@ class RedisReadWriteLock:
         }
         self._read = ReadLock(self, **options)  # validates every argument
         self._write = WriteLock(self, **options)
+        self._read._other_side = self._write._holdings
+        self._write._other_side = self._read._holdings
 
     def read(self) -> ReadLock:
         """The read side (the same object each call)."""
@@ -168,14 +183,4 @@ class RedisReadWriteLock:
 
     async def inspect(self) -> RWLockInfo:
         """The server's view: writer, live readers, queue length, last fence."""
-        with map_redis_errors(self.name):
-            writer, readers, queue, fence = await context_for(self._read._client).run(
-                _INSPECT, self._read._spec.keys, ()
-            )
-        return RWLockInfo(
-            name=self.name,
-            writer=None if writer is None else text(writer),
-            readers=int(readers),
-            queue_length=int(queue),
-            fence=int(fence),
-        )
+        return await self._read.inspect()

@@ -91,9 +91,7 @@ async def test_a_detached_holding_is_adopted_renewed_and_released_elsewhere(
     await excluded.release()
 
 
-# (A read-write lock's sides and the lock they belong to refer to one another: that pair is
-# the collector's whatever happens to its holdings.)
-@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+@pytest.mark.parametrize("kind", list(FACTORIES))
 async def test_a_detached_instance_is_freed_without_the_garbage_collector(
     clients: list[redis.asyncio.Redis], kind: str
 ) -> None:

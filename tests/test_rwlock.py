@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -19,9 +20,9 @@ import anyio
 import pytest
 import redis.asyncio
 from _probes import QueueProbe
-from conftest import Tasks
+from conftest import Tasks, freed_by_reference_counting
 
-from aiolocks import LockLost, LockReentry, LockTimeout, RedisReadWriteLock
+from aiolocks import LockLost, LockReentry, LockTimeout, ReadLock, RedisReadWriteLock
 from aiolocks._engine._context import context_for
 
 T = TypeVar("T")
@@ -345,6 +346,23 @@ async def test_readers_queued_before_the_next_writer_enter_together(
     assert info.fence == max(fences.values())
 
 
+async def test_a_released_read_write_lock_is_freed_without_the_garbage_collector(
+    r: redis.asyncio.Redis,
+) -> None:
+    """A read-write lock made and used on both sides in a task of its own is freed by
+    reference counting: each side referred to the lock, which refers to both."""
+
+    async def cycle() -> weakref.ref[ReadLock]:
+        rw = RedisReadWriteLock(r, "rw:freed")
+        async with rw.read():
+            await asyncio.sleep(0)
+        async with rw.write():
+            await asyncio.sleep(0)
+        return weakref.ref(rw.read())  # (the lock itself has no weak references; it has the side)
+
+    assert await freed_by_reference_counting(cycle), "left to the collector"
+
+
 # -- reentry, timeouts ------------------------------------------------------------------------
 
 
@@ -355,6 +373,7 @@ async def test_the_other_side_by_the_same_task_is_reentry(
     name = "rw:reentry"
     rw = RedisReadWriteLock(r, name, ttl=10)
     mine, other = (rw.read(), rw.write()) if held == "read" else (rw.write(), rw.read())
+    del rw  # (the sides know each other without it, as `RedisReadWriteLock(...).read()`)
     async with mine:
         for attempt in (other, mine):
             started = time.monotonic()
@@ -363,13 +382,13 @@ async def test_the_other_side_by_the_same_task_is_reentry(
             assert time.monotonic() - started < 1.0  # at once, not after waiting
             with pytest.raises(LockReentry):
                 await attempt.acquire(blocking=False)
-        info = await rw.inspect()
+        info = await mine.inspect()
         assert info.queue_length == 0 and info.fence == mine.fencing_token, info
         assert (info.readers, info.writer is not None) == (
             (1, False) if held == "read" else (0, True)
         )
         assert mine.statistics().held_here == 1 and other.statistics().held_here == 0
-    info = await rw.inspect()
+    info = await mine.inspect()
     assert (info.writer, info.readers, info.queue_length) == (None, 0, 0)
     async with other:  # nothing was left behind: the other side is free
         assert (other.fencing_token or 0) > info.fence > 0
