@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
+import weakref
 from typing import Any
 
 import pytest
 import redis.asyncio
 from _probes import QueueProbe, mutex_keys
-from conftest import Backend, cancelled_attempt
+from conftest import Backend, cancelled_attempt, client_from_url
 
-from aiolocks import RedisMutex
+from aiolocks import LockTimeout, RedisMutex
 from aiolocks._engine._context import context_for
 from aiolocks._scripts import Script
 
@@ -92,6 +94,48 @@ async def test_timeout_of_a_queued_waiter_withdraws_it(r: redis.asyncio.Redis) -
     assert (await holder.inspect()).queue_length == 0
     await holder.release()
     assert set(await mutex_keys(r, "x:timeout")) == {"fence"}
+
+
+@pytest.mark.parametrize("local_handoff", [None, 0], ids=["default", "strict-fifo"])
+@pytest.mark.parametrize("holder_client", ["same", "other"])
+@pytest.mark.parametrize("how", ["cancelled", "timed-out"])
+async def test_a_failed_acquisition_leaves_its_task_to_reference_counting(
+    r: redis.asyncio.Redis, url: str, local_handoff: int | None, holder_client: str, how: str
+) -> None:
+    """A task that ends with its acquisition failed (cancelled while waiting, or its
+    `LockTimeout` uncaught) is freed by reference counting, as with `asyncio.Lock`: the
+    acquisition's frames, kept by the exception's traceback, referred to the task that kept
+    the exception. Waiting behind a holder of this client (a local wait with the default
+    mutex) or of another client (a wait on the server)."""
+    name = f"freed-failed:{how}:{holder_client}:{local_handoff}"
+    other = client_from_url(url)
+    timeout = 0.05 if how == "timed-out" else None
+
+    async def waiter() -> None:
+        async with RedisMutex(r, name, local_handoff=local_handoff, timeout=timeout):
+            raise AssertionError("the lock is held elsewhere all along")
+
+    async def fail_once() -> weakref.ref[asyncio.Task[None]]:
+        task = asyncio.create_task(waiter())
+        if how == "cancelled":
+            await asyncio.sleep(0.02)  # (queued by then, locally or on the server, or not yet)
+            task.cancel()
+        await asyncio.wait([task])  # (awaiting it would raise here: this frame in the chain)
+        assert task.cancelled() if how == "cancelled" else type(task.exception()) is LockTimeout
+        return weakref.ref(task)
+
+    holder = RedisMutex(r if holder_client == "same" else other, name, ttl=10)
+    try:
+        async with holder:
+            await fail_once()  # (scripts loaded, subscriptions made)
+            gc.collect()
+            gc.disable()
+            try:
+                assert (await fail_once())() is None, "the task is left to the collector"
+            finally:
+                gc.enable()
+    finally:
+        await other.aclose()
 
 
 async def test_cancelled_release_still_releases(r: redis.asyncio.Redis) -> None:

@@ -93,6 +93,14 @@ _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
 
+# A failed acquisition lets go of its task: each frame of the acquisition that refers to the
+# acquiring task (`__aenter__`, `_counted_acquire`, a cohort's `acquire` and `_contend`)
+# deletes that reference before an exception leaves it. A traceback keeps every frame it
+# passes through, and a task that ends with the exception (a cancelled request, a worker's
+# `LockTimeout`) keeps the traceback: a frame still referring to the task would make a cycle
+# (the task, its coroutine and its context, often a whole request's) that only the garbage
+# collector frees. `asyncio.Lock` leaves none either.
+
 
 @dataclass(frozen=True, slots=True)
 class LockStatistics:
@@ -381,6 +389,9 @@ class LeasedLock(AsyncWithOnly):
                     self._hold(context, task, grant)
             if not acquired and self._local_handoff and _last_miss.get() is None:
                 _last_miss.set(_LOCAL_MISS)  # (no call to Redis told why)
+        except BaseException:
+            del task  # (a failed acquisition lets go of its task: above)
+            raise
         finally:
             self._waiting -= 1
         if acquired:
@@ -733,11 +744,16 @@ class LeasedLock(AsyncWithOnly):
     async def __aenter__(self) -> Self:
         _last_miss.set(None)
         task = current_task()
-        if _telemetry.recorder is not None:
-            acquired = await self.acquire(timeout=self._timeout)
-        else:  # (`acquire` without its telemetry: one coroutine less per acquisition)
-            acquired = await self._counted_acquire(True, self._timeout, task)
+        try:
+            if _telemetry.recorder is not None:
+                acquired = await self.acquire(timeout=self._timeout)
+            else:  # (`acquire` without its telemetry: one coroutine less per acquisition)
+                acquired = await self._counted_acquire(True, self._timeout, task)
+        except BaseException:
+            del task  # (a failed acquisition lets go of its task: above)
+            raise
         if not acquired:
+            del task
             assert self._timeout is not None
             miss = _last_miss.get()
             raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
@@ -906,6 +922,7 @@ class Cohort:
     ) -> bool:
         """Acquire for `task`: through Redis if the cohort is idle, else after the local
         tasks ahead of it (or as the next contender, if the lease leaves the process)."""
+        waiter: _LocalWaiter | None = None
         try:
             if self.idle:
                 return await self._contend(lock, task, blocking, deadline)
@@ -930,6 +947,9 @@ class Cohort:
             if waiter.future.result() is _Turn.HOLD:
                 return True
             return await self._contend(lock, task, True, deadline)
+        except BaseException:
+            del task, waiter  # (a failed acquisition lets go of its task: above)
+            raise
         finally:
             self._retire_if_idle()
 
@@ -962,11 +982,13 @@ class Cohort:
             self._listen()  # a name contended here lately: its subscription lingers
         # (None: not watching, a waiter queueing elsewhere meanwhile may go unannounced)
         news = self._news if self._watching() else None
-        grant = None
         try:
             grant = await lock._acquire_grant(self._context, self.local_handoff, blocking, deadline)
-        finally:
-            self._contended(lock, task, grant, news)
+        except BaseException:
+            self._contended(lock, task, None, news)
+            del task  # (a failed acquisition lets go of its task: above)
+            raise
+        self._contended(lock, task, grant, news)
         return grant is not None
 
     def _contended(
