@@ -34,9 +34,9 @@ install's interpreter drives this checkout's app in-process (ASGI calls, 64 task
 order ids, N requests per mode after a warm-up) under cProfile, and the Python calls per
 request are printed per mode, with `wait`'s extra over `by-hand-depends` (what the
 dependency itself costs beyond FastAPI's own `Depends`) and each install against the
-last one (`--base REV`: this checkout against REV). The refusing modes (`REFUSING`) run
-with every order's lock held elsewhere: each request is refused (409), so their count is
-a refusal's.
+last one (`--base REV`: this checkout against REV); written to a file only with `--json`.
+The refusing modes (`REFUSING`) run with every order's lock held elsewhere: each request is
+refused (409), so their count is a refusal's.
 """
 
 from __future__ import annotations
@@ -265,7 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="per run (default 8)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    parser.add_argument(
+        "--json", type=Path,
+        help=f"where to write the run (default: {DEFAULT_JSON}; with --calls, nowhere: the "
+        "committed file holds a throughput run, which the benchmarks page renders)",
+    )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="N > 1: one server per install serves every mode, the modes alternating in N "
@@ -303,15 +307,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for label, install in pythons.items()
             }
             summarize_calls(calls)
-            write_json(
-                args.json,
-                {
-                    "machine": machine(),
-                    "server": source,
-                    "calls_per_request": calls,
-                    "pythons": {label: str(install) for label, install in pythons.items()},
-                },
-            )
+            if args.json is not None:
+                write_json(
+                    args.json,
+                    {
+                        "machine": machine(),
+                        "server": source,
+                        "calls_per_request": calls,
+                        "pythons": {label: str(install) for label, install in pythons.items()},
+                    },
+                )
             return 0
         script = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "orders.lua"
         script.write_text(WRK_SCRIPT)
@@ -326,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         summarize(pythons, results)
     write_json(
-        args.json,
+        args.json or DEFAULT_JSON,
         {
             "machine": machine(),
             "server": source,
