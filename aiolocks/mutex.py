@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import final
 
@@ -38,21 +39,32 @@ class MutexInfo:
 def mutex_spec(prefix: str, name: str, counters: Counters | None = None) -> _spec.Spec:
     """The engine's view of the mutex `name`: its keys, channel and scripts (`counters`: an
     instance's cumulative counts, when several specs share them)."""
-    tag = name_tag(prefix, "mutex", name)
-    owner, queue, waiters, fence = tag + b"owner", tag + b"queue", tag + b"waiters", tag + b"fence"
+    keys, heartbeat_keys, channel, renew_keys = _mutex_keys(prefix, name)
     return _spec.Spec(
         name=name,
         side="x",
-        keys=(owner, queue, waiters, fence),
-        heartbeat_keys=(waiters, queue),
-        channel=tag + b"wake",
-        watch_key=owner,
+        keys=keys,
+        heartbeat_keys=heartbeat_keys,
+        channel=channel,
+        watch_key=keys[0],
         acquire=_ACQUIRE,
         release=_RELEASE,
         renew=_RENEW,
-        renew_keys=(owner, fence),
+        renew_keys=renew_keys,
         counters=Counters() if counters is None else counters,
     )
+
+
+_Keys = tuple[tuple[bytes, ...], tuple[bytes, ...], bytes, tuple[bytes, ...]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _mutex_keys(prefix: str, name: str) -> _Keys:
+    """The mutex's keys, heartbeat keys, channel and renewal keys (the same for every
+    instance of a name: a handler makes one per request, of a few names again and again)."""
+    tag = name_tag(prefix, "mutex", name)
+    owner, queue, waiters, fence = tag + b"owner", tag + b"queue", tag + b"waiters", tag + b"fence"
+    return (owner, queue, waiters, fence), (waiters, queue), tag + b"wake", (owner, fence)
 
 
 @final

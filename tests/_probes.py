@@ -77,7 +77,7 @@ class _Cohorts(dict[Any, Any]):
 
 def _on_local_wait(context: ClientContext, on_wait: Callable[[], None]) -> None:
     """Call `on_wait` whenever a task of `context`'s client queues behind its cohort."""
-    context._kept["cohorts"] = _Cohorts(cohorts_of(context), on_wait)  # (`ClientContext.keep`)
+    context.cohorts = _Cohorts(cohorts_of(context), on_wait)  # (`ClientContext.cohorts`)
 
 
 async def mutex_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:

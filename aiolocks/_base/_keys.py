@@ -24,6 +24,13 @@ def validate_name(name: object, what: str = "name") -> str:
     """Return `name` if it can be a primitive's name; raise `TypeError`/`ValueError` if not."""
     if not isinstance(name, str):
         raise TypeError(f"{what} must be a str, not {type(name).__name__}")
+    return _checked_name(name, what)
+
+
+# A handler makes a primitive per request, its name one of a few it uses again and again:
+# a name found good is not checked again (an error is not cached: it raises each time).
+@functools.lru_cache(maxsize=4096)
+def _checked_name(name: str, what: str) -> str:
     if not name:
         raise ValueError(f"{what} must not be empty")
     if "{" in name or "}" in name:

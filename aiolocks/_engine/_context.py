@@ -45,9 +45,11 @@ SHUTDOWN_BOUND = 1.0
 _ATTRIBUTE = "_aiolocks_contexts"
 
 
-def context_for(client: AnyRedis) -> ClientContext:
-    """The engine state of `client` on the running event loop, created on first use."""
-    loop = asyncio.get_running_loop()
+def context_for(client: AnyRedis, loop: asyncio.AbstractEventLoop | None = None) -> ClientContext:
+    """The engine state of `client` on the running event loop (`loop`, if the caller has
+    it: on CPython 3.11 each `get_running_loop()` is a `getpid()`), created on first use."""
+    if loop is None:
+        loop = asyncio.get_running_loop()
     per_loop: dict[asyncio.AbstractEventLoop, ClientContext] | None = getattr(
         client, _ATTRIBUTE, None
     )
@@ -191,6 +193,9 @@ class ClientContext(ScriptRunner):
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see `Gate`).
         self.releases = Gate(RELEASES_IN_FLIGHT)
+        # The local hand-off cohorts (`_leasedlock.cohorts_of`): the engine's own, read at
+        # every acquisition and release of a cohort's lock.
+        self.cohorts: dict[Any, Any] = {}
         # What the layers above keep per client (`keep`), and what stops it with the engine.
         self._kept: dict[str, Any] = {}
         self._on_stop: list[Callable[[], None]] = []

@@ -84,11 +84,13 @@ CHAIN_BOUND = 0.010
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_DEFAULT_REPLICA_TIMEOUT_MS = validate_replica_timeout(DEFAULT_REPLICA_TIMEOUT)
+_DEFAULT_TTL_MS = max(1, round(DEFAULT_TTL * 1000))
+
 # Why the current task's last acquisition through Redis failed, for `LockTimeout`'s message
 # (a context variable: `acquire()` runs in the caller's task, as does `__aenter__`).
 # An acquisition that waited for its process's other tasks only (`local_handoff`).
 _LOCAL_MISS = _spec.Miss(unanswered=False, local=True)
-_DEFAULT_REPLICA_TIMEOUT_MS = validate_replica_timeout(DEFAULT_REPLICA_TIMEOUT)
 _last_miss: contextvars.ContextVar[_spec.Miss | None] = contextvars.ContextVar(
     "aiolocks_last_miss", default=None
 )
@@ -143,8 +145,11 @@ class LeasedLock(AsyncWithOnly):
         # Each setting given is checked; a default, the same object, is known good (a
         # handler makes a mutex per request, most settings left at their defaults).
         self._prefix = prefix if prefix is DEFAULT_PREFIX else validate_prefix(prefix)
-        self._ttl = ttl if ttl is DEFAULT_TTL else validate_ttl(ttl)
-        self._ttl_ms = max(1, round(self._ttl * 1000))
+        if ttl is DEFAULT_TTL:
+            self._ttl, self._ttl_ms = ttl, _DEFAULT_TTL_MS
+        else:
+            self._ttl = validate_ttl(ttl)
+            self._ttl_ms = max(1, round(self._ttl * 1000))
         self._timeout = None if timeout is None else validate_timeout(timeout)
         if on_lost is not None and not callable(on_lost):
             raise TypeError("on_lost must be callable")
@@ -252,8 +257,8 @@ class LeasedLock(AsyncWithOnly):
         self._holdings[task] = holding
         return holding
 
-    def _take_holding(self) -> Holding:
-        holding = self._find_holding()
+    def _take_holding(self, holding: Holding) -> Holding:
+        """`holding` (one of this instance's) is being released: it is no longer held."""
         del self._holdings[holding.task]
         holding.end_body()  # released inside its `async with` body: no loss cancels it now
         return holding
@@ -361,17 +366,18 @@ class LeasedLock(AsyncWithOnly):
         if task is None:
             task = current_task()
         held = self._holdings.get(task)
-        reason = "the current task already holds it (not reentrant)"
-        if held is None:
-            held = self._held_elsewhere(task)
-            reason = "the current task holds the other side (that would deadlock)"
         if held is not None:
+            reason = "the current task already holds it (not reentrant)"
             raise LockReentry(self._name, reason, token=held.token)
-        context = context_for(self._client)
+        held = self._held_elsewhere(task)
+        if held is not None:
+            reason = "the current task holds the other side (that would deadlock)"
+            raise LockReentry(self._name, reason, token=held.token)
+        context = context_for(self._client, task.get_loop())
         deadline = None if timeout is None else _clock.monotonic() + timeout
         self._waiting += 1
         try:
-            cohorts = cohorts_of(context) if self._local_handoff else None
+            cohorts = context.cohorts if self._local_handoff else None
             cohort = None if cohorts is None else self._cohort_for(context, cohorts, task)
             if cohort is not None:
                 acquired = await cohort.acquire(self, task, blocking, deadline)
@@ -442,7 +448,7 @@ class LeasedLock(AsyncWithOnly):
     def _leave_alone(self, context: ClientContext, holding: Holding) -> Cohort | None:
         """The cohort of `holding` (a local hand-off one), which leaves this process
         (released or detached); None if it was held alone, which it no longer is."""
-        cohorts = cohorts_of(context)
+        cohorts: dict[_Key, Cohort | _Solo] = context.cohorts
         key = self._cohort_key
         found = cohorts.get(key)
         if isinstance(found, Cohort):
@@ -549,7 +555,11 @@ class LeasedLock(AsyncWithOnly):
         Raises `LockNotOwned` if the task holds nothing (a holding of a task that has
         finished is adopted), and `LockLost` if the lease had been lost meanwhile.
         """
-        holding = self._take_holding()
+        await self._release(self._find_holding(), None)
+
+    async def _release(self, holding: Holding, loop: asyncio.AbstractEventLoop | None) -> None:
+        """`release()` of `holding`, on `loop` (the running one, if the caller has it)."""
+        self._take_holding(holding)
         if holding.cap is not None:
             self._uncap(holding)
         if _telemetry.recorder is not None:
@@ -570,7 +580,7 @@ class LeasedLock(AsyncWithOnly):
                 )
             holding.released()
             raise self._lost_error(holding)
-        context = context_for(self._client)
+        context = context_for(self._client, loop)
         cohort = self._leave_alone(context, holding) if in_cohort else None
         if cohort is not None and cohort.pass_on(self, holding):
             return  # handed to the next local task: no call to Redis
@@ -745,10 +755,7 @@ class LeasedLock(AsyncWithOnly):
         _last_miss.set(None)
         task = current_task()
         try:
-            if _telemetry.recorder is not None:
-                acquired = await self.acquire(timeout=self._timeout)
-            else:  # (`acquire` without its telemetry: one coroutine less per acquisition)
-                acquired = await self._counted_acquire(True, self._timeout, task)
+            acquired = await self._acquisition(task, True, self._timeout)
         except BaseException:
             del task  # (a failed acquisition lets go of its task: above)
             raise
@@ -759,6 +766,15 @@ class LeasedLock(AsyncWithOnly):
             raise LockTimeout(self._name, self._timeout, None if miss is None else miss.situation())
         self._enter_body(task)
         return self
+
+    def _acquisition(
+        self, task: asyncio.Task[Any], blocking: bool, timeout: float | None
+    ) -> Awaitable[bool]:
+        """`acquire(blocking, timeout)` by `task`, the current one (`async with`, the web
+        integrations): without a telemetry recorder, one coroutine less per acquisition."""
+        if _telemetry.recorder is not None:
+            return self.acquire(blocking, timeout)
+        return self._counted_acquire(blocking, timeout, task)
 
     def _enter_body(self, task: asyncio.Task[Any] | None = None) -> Holding:
         """The current task's holding enters its `async with` body: a loss cancels the body,
@@ -776,10 +792,12 @@ class LeasedLock(AsyncWithOnly):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if asyncio.current_task() not in self._holdings:
+        task = asyncio.current_task()
+        holding = self._holdings.get(task)  # type: ignore[arg-type]  # (None: not found)
+        if holding is None:
             return  # released inside the body already
         try:  # (the release takes back a cancellation that a loss made: `end_body`)
-            await self.release()
+            await self._release(holding, holding.task.get_loop())
         except LockLost as lost:
             if exc is not None and not isinstance(exc, asyncio.CancelledError):
                 raise lost from exc
@@ -857,7 +875,7 @@ class _LocalWaiter:
     def __init__(self, lock: LeasedLock, task: asyncio.Task[Any]) -> None:
         self.lock = lock
         self.task = task
-        self.future: asyncio.Future[_Turn] = asyncio.get_running_loop().create_future()
+        self.future: asyncio.Future[_Turn] = task.get_loop().create_future()
 
 
 # A task of this process acquiring (since 0.0) or holding (since when it got it) a lock alone,
@@ -869,7 +887,7 @@ _Solo = tuple[LeasedLock, asyncio.Task[Any], float]
 def cohorts_of(context: ClientContext) -> dict[_Key, Cohort | _Solo]:
     """The cohorts of `context` (or the task alone in one's place), by (channel, ttl_ms,
     local_handoff); idle ones leave."""
-    cohorts: dict[_Key, Cohort | _Solo] = context.keep("cohorts", dict)
+    cohorts: dict[_Key, Cohort | _Solo] = context.cohorts
     return cohorts
 
 

@@ -248,14 +248,19 @@ class Holding:
         except ValueError as exc:  # the policy's settings were checked when it was made
             raise self.answer(Refusal(422, "lock_name_invalid", name, str(exc))) from None
         self.lock = lock
+        task = _keeper.current_task()
         try:
             if policy.timeout == 0:  # one try, no subscription
-                acquired = await lock.acquire(blocking=False)
+                acquired = await lock._acquisition(task, False, None)
             else:
-                acquired = await lock.acquire(timeout=policy.timeout)
-        except (ServerUnavailable, AccessDenied) as exc:
-            raise self.answer(Refusal(503, "lock_unavailable", name, exc.reason)) from exc
+                acquired = await lock._acquisition(task, True, policy.timeout)
+        except BaseException as exc:
+            del task  # (a failed acquisition lets go of its task: `_leasedlock`)
+            if isinstance(exc, (ServerUnavailable, AccessDenied)):
+                raise self.answer(Refusal(503, "lock_unavailable", name, exc.reason)) from exc
+            raise
         if not acquired:
+            del task
             waited = "" if policy.timeout == 0 else f" within {policy.timeout:g} s"
             # Who holds it is not known here (another request, a worker, a script): say
             # only what is.
@@ -267,7 +272,7 @@ class Holding:
             raise self.answer(Refusal(policy.busy_status, "lock_busy", name, message))
         # As the lock's own `async with`: a loss cancels the body. (The holding: its fence,
         # and its `lost` event when asked for.)
-        holding = lock._enter_body()
+        holding = lock._enter_body(task)
         return HeldLock(name, holding.fence, lock, holding)
 
     async def __aexit__(
