@@ -30,21 +30,14 @@ per request (its whole process tree, from /proc) and the script calls the Redis 
 per request (`INFO commandstats`; the modes take turns, so one mode's calls at a time).
 
 `--calls N`, for what CPU time cannot show on a shared machine: no uvicorn, no wrk; each
-install's interpreter drives this checkout's app in-process (ASGI calls, 64 tasks over 16
-order ids, N requests per mode after a warm-up) under cProfile, and the Python calls per
+install's interpreter drives this checkout's app in-process (ASGI calls, 64 connections
+over 16 order ids, each request in a task of its own as under uvicorn, N requests per
+mode after a warm-up) under cProfile, and the Python calls per
 request are printed per mode, with `wait`'s extra over `by-hand-depends` (what the
 dependency itself costs beyond FastAPI's own `Depends`) and each install against the
 last one (`--base REV`: this checkout against REV); written to a file only with `--json`.
 The refusing modes (`REFUSING`) run with every order's lock held elsewhere: each request is
 refused (409), so their count is a refusal's.
-
-`--instructions N`, the same in-process requests counted by callgrind instead (no profiler):
-the instructions the interpreter executes per request, per mode and install, which no other
-load on the machine changes. Each (install, mode) runs twice, N/4 and N requests after the
-same start-up and warm-up, and the difference is divided by the requests between them;
-printed with each mode's extra over `floor` (what the lock costs a request) and each
-install against the last one. Run under `PYTHONHASHSEED=0`: the start-up's work varies
-with the hash seed, and must cancel out.
 """
 
 from __future__ import annotations
@@ -288,18 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="instead: Python calls per request (cProfile), the app driven in-process, N "
         "requests per mode",
     )  # fmt: skip
-    parser.add_argument(
-        "--instructions", type=int, metavar="N",
-        help="instead: instructions per request (callgrind), the app driven in-process, "
-        "N/4 and N requests per mode (N a multiple of 256)",
-    )  # fmt: skip
     parser.add_argument("--calls-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.calls_child:  # (one install's run of `--calls` or `--instructions`)
-        asyncio.run(drive_in_process(args.url, args.modes, args.calls, not args.no_profile))
+    if args.calls_child:  # (one install's run of `--calls`, in its interpreter)
+        asyncio.run(drive_in_process(args.url, args.modes, args.calls))
         return 0
-    if args.calls is None and args.instructions is None and shutil.which("wrk") is None:
+    if args.calls is None and shutil.which("wrk") is None:
         parser.error(
             "wrk is not installed: `apt-get install wrk` (Debian, Ubuntu), `brew install wrk` "
             "(macOS), or build it from https://github.com/wg/wrk"
@@ -315,26 +302,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.flip:
             pythons[f"flip:{name}"] = Install(sys.executable, flip=name)
         url, source = stack.enter_context(bench_server(args.url))
-        if args.instructions is not None:
-            counted = {
-                label: {
-                    mode: instructions(label, install, url, mode, args.instructions)
-                    for mode in args.modes
-                }
-                for label, install in pythons.items()
-            }
-            summarize_instructions(counted)
-            if args.json is not None:
-                write_json(
-                    args.json,
-                    {
-                        "machine": machine(),
-                        "server": source,
-                        "instructions_per_request": counted,
-                        "pythons": {label: str(install) for label, install in pythons.items()},
-                    },
-                )
-            return 0
         if args.calls is not None:
             calls = {
                 label: in_process(install, url, args.modes, args.calls)
@@ -536,10 +503,9 @@ def in_process(install: Install, url: str, modes: Sequence[str], n: int) -> dict
     return {row["mode"]: row for row in map(json.loads, out.splitlines())}
 
 
-async def drive_in_process(url: str, modes: Sequence[str], n: int, profiled: bool = True) -> None:
+async def drive_in_process(url: str, modes: Sequence[str], n: int) -> None:
     """The app's modes driven through ASGI calls in this process, each `n` requests (64
-    tasks over `ORDERS` order ids) after a warm-up, under cProfile if `profiled`: a JSON
-    row per mode."""
+    tasks over `ORDERS` order ids) under cProfile after a warm-up: a JSON row per mode."""
     from _fastapi_app import app
 
     state: dict[str, Any] = {}
@@ -574,8 +540,11 @@ async def drive_in_process(url: str, modes: Sequence[str], n: int, profiled: boo
         return sent[0]
 
     async def client(mode: str, index: int, count: int, statuses: dict[int, int]) -> None:
+        loop = asyncio.get_running_loop()
         for k in range(count):
-            status = await post(f"/{mode}/{(index + k) % ORDERS}")
+            # Each request in a task of its own, as uvicorn runs it (a fresh context, and a
+            # task a holding belongs to for that request only).
+            status = await loop.create_task(post(f"/{mode}/{(index + k) % ORDERS}"))
             statuses[status] = statuses.get(status, 0) + 1
 
     per_task = max(1, n // CONNECTIONS)
@@ -594,17 +563,12 @@ async def drive_in_process(url: str, modes: Sequence[str], n: int, profiled: boo
         await asyncio.gather(*(client(mode, i, 20, {}) for i in range(CONNECTIONS)))  # warm-up
         profile = cProfile.Profile()
         cpu = time.process_time()
-        if profiled:
-            profile.enable()
+        profile.enable()
         await asyncio.gather(*(client(mode, i, per_task, statuses) for i in range(CONNECTIONS)))
         profile.disable()
         cpu = time.process_time() - cpu
         requests = per_task * CONNECTIONS
-        calls = (
-            sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
-            if profiled
-            else 0
-        )
+        calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
         row = {
             "mode": mode,
             "calls": calls / requests,
@@ -618,52 +582,6 @@ async def drive_in_process(url: str, modes: Sequence[str], n: int, profiled: boo
     await startup.put({"type": "lifespan.shutdown"})
     await replies.get()
     await lifespan
-
-
-def instructions(label: str, install: Install, url: str, mode: str, n: int) -> float:
-    """`--instructions`: what one request of `mode` costs `install`'s interpreter, in
-    instructions counted by callgrind: a run of n/4 requests taken from a run of n, both
-    after the same start-up and warm-up, which cancel out."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    env = {**install_env(install, url), "PYTHONHASHSEED": "0"}
-    sizes = (n // 4 // CONNECTIONS * CONNECTIONS, n // CONNECTIONS * CONNECTIONS)
-    counts = []
-    for requests in sizes:
-        command = [
-            valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", install.python,
-            str(HERE / "bench_fastapi.py"), "--calls-child", "--no-profile", "--url", url,
-            "--calls", str(requests), "--modes", mode,
-        ]  # fmt: skip
-        out = subprocess.run(command, env=env, cwd=HERE, capture_output=True, text=True)
-        found = re.search(r"Collected : (\d+)", out.stderr)
-        if out.returncode != 0 or found is None:
-            raise SystemExit(f"{label} {mode}: callgrind run failed:\n{out.stderr[-2000:]}")
-        counts.append(int(found.group(1)))
-    per_request = (counts[1] - counts[0]) / (sizes[1] - sizes[0])
-    print(f"{label} {mode}: {per_request:,.0f} instructions/request", flush=True)
-    return per_request
-
-
-def summarize_instructions(counted: dict[str, dict[str, float]]) -> None:
-    """`--instructions`: per mode and install, instructions per request, the extra over
-    `floor` (an in-process `asyncio.Lock`), and the ratio to the last install."""
-    labels = list(counted)
-    reference = labels[-1]
-    print()
-    for mode in next(iter(counted.values())):
-        cells = []
-        for label in labels:
-            per_request = counted[label][mode]
-            cell = f"{label} {per_request:,.0f}"
-            floor = counted[label].get("floor")
-            if floor is not None and mode != "floor":
-                cell += f" (+{per_request - floor:,.0f} over floor)"
-            if label != reference:
-                cell += f" {per_request / counted[reference][mode]:.3f}x"
-            cells.append(cell)
-        print(f"{mode:<16} instructions/req: " + "; ".join(cells))
 
 
 def summarize_calls(calls: dict[str, dict[str, Any]]) -> None:
