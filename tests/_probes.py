@@ -14,7 +14,7 @@ import redis.asyncio
 
 from aiolocks._base._clients import AnyRedis
 from aiolocks._engine._context import ClientContext, context_for
-from aiolocks._engine._leasedlock import Cohort, cohorts_of
+from aiolocks._engine._leasedlock import Cohort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from _lockworker import on_queued
@@ -61,7 +61,7 @@ class _Recording(deque[Any]):
 
 
 class _Cohorts(dict[Any, Any]):
-    """A context's cohorts (`_leasedlock.cohorts_of`), each one's queue recording."""
+    """A context's cohorts (`ClientContext.cohorts`), each one's queue recording."""
 
     def __init__(self, cohorts: dict[Any, Any], on_wait: Callable[[], None]) -> None:
         super().__init__()
@@ -77,7 +77,7 @@ class _Cohorts(dict[Any, Any]):
 
 def _on_local_wait(context: ClientContext, on_wait: Callable[[], None]) -> None:
     """Call `on_wait` whenever a task of `context`'s client queues behind its cohort."""
-    context.cohorts = _Cohorts(cohorts_of(context), on_wait)  # (`ClientContext.cohorts`)
+    context.cohorts = _Cohorts(context.cohorts, on_wait)
 
 
 async def mutex_keys(client: redis.asyncio.Redis, name: str) -> dict[str, Any]:

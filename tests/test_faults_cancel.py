@@ -37,7 +37,6 @@ from aiolocks import (
     RedisSemaphore,
 )
 from aiolocks._engine._context import context_for
-from aiolocks._engine._leasedlock import cohorts_of
 from aiolocks._scripts import Script
 from aiolocks._transport import _runner
 from aiolocks._transport._runner import AUTOPIPELINE_ENV
@@ -176,7 +175,7 @@ async def test_a_cancellation_storm_leaves_only_the_fence_counter(
     swallowed = sum(counts["swallowed"] for counts in outcomes.values())
     orphans = await leftovers(clients[0], kind, name)
     parked = [len(context_for(client).waitqueue) for client in clients]
-    cohorts = [cohorts_of(context_for(client)) for client in clients]
+    cohorts = [context_for(client).cohorts for client in clients]
     stats = [side.lock.statistics() for side in sides]
     record(
         "5 cancellation storm",

@@ -25,7 +25,6 @@ from aiolocks import LockLost, RedisMutex
 from aiolocks._base import _clock
 from aiolocks._engine import _leasedlock
 from aiolocks._engine._context import context_for
-from aiolocks._engine._leasedlock import cohorts_of
 from aiolocks.testing import expire_lease
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -79,7 +78,7 @@ async def test_one_process_passes_the_lease_without_round_trips(r: redis.asyncio
     assert len(fences) == 320
     assert all(a < b for a, b in itertools.pairwise(fences)), fences
     assert calls <= 320 // 17 + 8, calls  # acquire, a keep per block, the last release
-    assert cohorts_of(context) == {}  # an idle cohort is forgotten
+    assert context.cohorts == {}  # an idle cohort is forgotten
     info = await RedisMutex(r, "chain").inspect()
     assert info.owner is None and info.queue_length == 0
     assert info.fence >= fences[-1]  # the last block may be partly unused
@@ -97,11 +96,11 @@ async def test_a_task_alone_makes_no_cohort_and_one_that_comes_takes_its_holding
     first, second = RedisMutex(r, "alone"), RedisMutex(r, "alone")
     async with first:
         pass
-    assert cohorts_of(context) == {}
+    assert context.cohorts == {}
     await first.acquire()
     fence = first.fencing_token
     assert fence is not None
-    assert not any(isinstance(c, _leasedlock.Cohort) for c in cohorts_of(context).values())
+    assert not any(isinstance(c, _leasedlock.Cohort) for c in context.cohorts.values())
     got: list[int | None] = []
 
     async def come() -> None:
@@ -110,12 +109,12 @@ async def test_a_task_alone_makes_no_cohort_and_one_that_comes_takes_its_holding
 
     task = asyncio.create_task(come())
     await probe.wait_queued(1)  # it queues locally, with no Redis call
-    [cohort] = cohorts_of(context).values()
+    [cohort] = context.cohorts.values()
     assert isinstance(cohort, _leasedlock.Cohort)
     await first.release()
     await asyncio.wait_for(task, 10)
     assert got == [fence + 1]  # passed locally (a grant from Redis would start a new block)
-    assert cohorts_of(context) == {}
+    assert context.cohorts == {}
     assert (await first.inspect()).owner is None
 
 
@@ -133,7 +132,7 @@ async def test_a_task_alone_whose_lease_was_lost_leaves_the_next_one_to_redis(
     with pytest.raises(LockLost):
         await first.release()
     await second.release()
-    assert cohorts_of(context_for(r)) == {}
+    assert context_for(r).cohorts == {}
 
 
 async def test_strict_fifo_with_local_handoff_0(r: redis.asyncio.Redis) -> None:
@@ -217,7 +216,7 @@ async def holdings_ahead_of_a_remote_waiter(
         await asyncio.wait_for(asyncio.gather(*spinners), 20)
         assert remote_fence is not None
         assert len(probe.queued) == 1
-        assert cohorts_of(context_for(local)) == {}
+        assert context_for(local).cohorts == {}
         return len([fence for fence in after_queued if fence < remote_fence])
     finally:
         await local.aclose()
@@ -281,7 +280,7 @@ async def test_a_cohort_whose_link_is_lost_counts_from_its_chain_start(url: str)
 
     async def quiet_then_kill(local: redis.asyncio.Redis, remote: redis.asyncio.Redis) -> None:
         await asyncio.sleep(0.3)  # past the first chain's 10 ms: kept, nobody waiting
-        (cohort,) = cohorts_of(context_for(local)).values()
+        (cohort,) = context_for(local).cohorts.values()
         assert isinstance(cohort, _leasedlock.Cohort)  # (not one task alone)
         assert cohort._waited_since is None  # watching, and nobody waits elsewhere
         await remote.client_kill_filter(_type="pubsub")  # the remote has none yet
@@ -310,7 +309,7 @@ async def test_a_long_holding_is_passed_on_locally_while_nobody_waits_elsewhere(
     seen: list[tuple[int, int]] = []  # (fence, commands sent): the long holding, the next
 
     def quiet() -> bool:
-        (cohort,) = cohorts_of(context).values()
+        (cohort,) = context.cohorts.values()
         if not isinstance(cohort, _leasedlock.Cohort):
             return False  # (one task alone)
         return cohort._watching() and cohort._waited_since is None
@@ -396,7 +395,7 @@ async def test_lease_lost_during_a_local_chain(r: redis.asyncio.Redis) -> None:
     assert len(fences) == 7 and fences[0] < min(fences[1:])
     assert len(set(fences)) == 7
     assert check(await log.entries(), counter=await log.counter()) == []
-    assert cohorts_of(context_for(r)) == {}
+    assert context_for(r).cohorts == {}
     assert (await RedisMutex(r, name).inspect()).owner is None
 
 
@@ -425,7 +424,7 @@ async def test_local_waiters_time_out_and_cancel_cleanly(r: redis.asyncio.Redis)
     assert (await RedisMutex(r, name).inspect()).owner is not None
     await locks[2].release()  # adopts the finished task's holding
     assert (await RedisMutex(r, name).inspect()).owner is None
-    assert cohorts_of(context_for(r)) == {}
+    assert context_for(r).cohorts == {}
 
 
 async def test_a_waiter_cancelled_as_the_lock_is_released_is_skipped(
@@ -449,7 +448,7 @@ async def test_a_waiter_cancelled_as_the_lock_is_released_is_skipped(
     assert not locks[0].statistics().held_here
     await locks[1].release()
     assert (await RedisMutex(r, name).inspect()).owner is None
-    assert cohorts_of(context_for(r)) == {}
+    assert context_for(r).cohorts == {}
 
 
 @pytest.mark.usefixtures("untimed")  # (the holdings log to Redis: past 10 ms, loaded)

@@ -193,7 +193,8 @@ class ClientContext(ScriptRunner):
         self.keeper = LeaseKeeper(self)
         # Releases in flight at most (a burst of exits queues for a place: see `Gate`).
         self.releases = Gate(RELEASES_IN_FLIGHT)
-        # The local hand-off cohorts (`_leasedlock.cohorts_of`): the engine's own, read at
+        # The local hand-off cohorts (`_leasedlock.Cohort`, or a task alone in one's place) by
+        # (channel, ttl_ms, local_handoff), idle ones removed: the engine's own, read at
         # every acquisition and release of a cohort's lock.
         self.cohorts: dict[Any, Any] = {}
         # What the layers above keep per client (`keep`), and what stops it with the engine.

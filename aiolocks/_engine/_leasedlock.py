@@ -64,7 +64,6 @@ __all__ = [
     "LeasedLock",
     "LockStatistics",
     "cohort_token",
-    "cohorts_of",
     "is_cohort_token",
 ]
 
@@ -257,11 +256,10 @@ class LeasedLock(AsyncWithOnly):
         self._holdings[task] = holding
         return holding
 
-    def _take_holding(self, holding: Holding) -> Holding:
+    def _take_holding(self, holding: Holding) -> None:
         """`holding` (one of this instance's) is being released: it is no longer held."""
         del self._holdings[holding.task]
         holding.end_body()  # released inside its `async with` body: no loss cancels it now
-        return holding
 
     def _find_holding(self) -> Holding:
         """The current task's holding, else one of a task that has finished."""
@@ -884,13 +882,6 @@ class _LocalWaiter:
 _Solo = tuple[LeasedLock, asyncio.Task[Any], float]
 
 
-def cohorts_of(context: ClientContext) -> dict[_Key, Cohort | _Solo]:
-    """The cohorts of `context` (or the task alone in one's place), by (channel, ttl_ms,
-    local_handoff); idle ones leave."""
-    cohorts: dict[_Key, Cohort | _Solo] = context.cohorts
-    return cohorts
-
-
 def cohort_token(token: str, local_handoff: int) -> str:
     """The token a cohort acquires with: a grant of it reserves `local_handoff + 1` fences."""
     return f"{token}+{local_handoff + 1}"
@@ -907,7 +898,7 @@ class Cohort:
 
     def __init__(self, context: ClientContext, spec: _spec.Spec, ttl_ms: int, local_handoff: int):
         self._context = context
-        self._cohorts = cohorts_of(context)  # where it is kept while in use
+        self._cohorts: dict[_Key, Cohort | _Solo] = context.cohorts  # where it is kept in use
         self._key = (spec.channel, ttl_ms, local_handoff)
         self._spec = spec
         self._ttl_ms = ttl_ms
